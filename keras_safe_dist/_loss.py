@@ -1,0 +1,264 @@
+"""Splits a micro-batch loss into parts that add up exactly across micro-batches.
+
+Keras reduces a loss over the batch it sees: `sum_over_batch_size` divides the
+weighted sum by the number of loss elements, `mean_with_sample_weight` by the
+sum of the sample weights, `sum` by nothing. A mean of per-micro-batch means is
+not the mean of the big batch, so `SafeDistributedModel` keeps the numerator
+and the denominator apart: it accumulates both over micro-batches and
+replicas, and divides once per optimizer update.
+"""
+
+from typing import NamedTuple, Optional
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from keras_safe_dist import _compat
+
+_COUNT_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+class MicroBatchLoss(NamedTuple):
+    """The additive parts of one replica's loss on one micro-batch.
+
+    Attributes:
+        numerator: sum of the weighted loss values (`loss_weights` applied),
+            plus `add_loss`/activity losses weighted by `denominator`.
+        denominator: what the group's summed numerator is divided by, or None
+            when every loss uses `reduction="sum"`.
+        samples: number of samples in the micro-batch on this replica.
+    """
+
+    numerator: tf.Tensor
+    denominator: Optional[tf.Tensor]
+    samples: tf.Tensor
+
+
+class _Term(NamedTuple):
+    numerator: tf.Tensor
+    denominator: Optional[tf.Tensor]
+    weight: float
+    name: str
+    reduction: str
+    # True when the denominator is samples * elements_per_sample, with
+    # elements_per_sample known at trace time.
+    counts_samples: bool
+    elements_per_sample: Optional[int]
+
+
+def micro_batch_loss(model, y, y_pred, sample_weight):
+    """Computes `MicroBatchLoss` with the model's compiled loss.
+
+    The compiled loss still runs as Keras runs it, so per-output loss metrics
+    are updated exactly as in stock `fit()`.
+    """
+    samples = ops.cast(ops.shape(keras.tree.flatten(y_pred)[0])[0], "float32")
+    terms = []
+    compiled = _compat.compile_loss(model)
+    if compiled is not None:
+
+        def wrap(index, loss_fn, loss_weight):
+            return _RecordingLoss(loss_fn, loss_weight, samples, terms)
+
+        with _compat.swapped_loss_functions(compiled, wrap):
+            compiled(y, y_pred, sample_weight)
+    extra = additional_losses(model)
+    if not terms and extra is None:
+        raise ValueError(
+            "No loss to compute. Provide a `loss` argument in `compile()` or "
+            "call `add_loss()` in the model."
+        )
+    numerator, denominator = _combine(terms, samples)
+    if extra is not None:
+        if denominator is None:
+            numerator = numerator + extra
+        else:
+            numerator = numerator + extra * denominator
+    return MicroBatchLoss(numerator, denominator, samples)
+
+
+def weight_regularization(model):
+    """Sum of the weight regularization penalties, or None if there are none."""
+    penalties = [
+        ops.cast(ops.sum(v.regularizer(v)), "float32")
+        for v in model.trainable_weights
+        if getattr(v, "regularizer", None) is not None
+    ]
+    return ops.sum(ops.stack(penalties)) if penalties else None
+
+
+def additional_losses(model):
+    """Sum of `add_loss()` and activity-regularization losses, or None.
+
+    `model.losses` lists these first and the weight regularization penalties
+    last; the penalties are applied once per update instead.
+    """
+    losses = model.losses
+    regularized = sum(
+        1
+        for v in model.trainable_weights
+        if getattr(v, "regularizer", None) is not None
+    )
+    losses = losses[: len(losses) - regularized]
+    if not losses:
+        return None
+    return ops.sum(ops.stack([ops.cast(ops.sum(x), "float32") for x in losses]))
+
+
+def _combine(terms, samples):
+    if not terms:
+        return ops.zeros((), "float32"), samples
+    if len(terms) == 1:
+        term = terms[0]
+        return term.numerator * term.weight, term.denominator
+    if all(t.denominator is None for t in terms):
+        return sum(t.numerator * t.weight for t in terms), None
+    if all(t.counts_samples for t in terms):
+        numerator = sum(
+            t.numerator * (t.weight / t.elements_per_sample) for t in terms
+        )
+        return numerator, samples
+    described = ", ".join(
+        f"{t.name} (reduction={t.reduction!r}, counts samples: "
+        f"{t.counts_samples})"
+        for t in terms
+    )
+    raise ValueError(
+        "SafeDistributedModel cannot accumulate this multi-output loss "
+        "exactly: with several outputs, every loss must use "
+        "reduction='sum_over_batch_size' without a mask, or every loss must "
+        f"use reduction='sum'. Received: {described}. Use one of those "
+        "reductions, or combine the outputs into a single loss."
+    )
+
+
+class _RecordingLoss:
+    """Stands in for one Keras loss while `CompileLoss` runs.
+
+    Returns the value Keras would return (for the per-output loss metrics) and
+    records the numerator and denominator of its reduction.
+    """
+
+    def __init__(self, loss_fn, loss_weight, samples, terms):
+        if not isinstance(loss_fn, keras.losses.Loss) or (
+            type(loss_fn).__call__ is not keras.losses.Loss.__call__
+        ):
+            raise TypeError(
+                "SafeDistributedModel needs each compiled loss to be a "
+                "`keras.losses.Loss` (or a function or name Keras wraps in "
+                f"one) that does not override `__call__`. Received: {loss_fn!r}. "
+                "Implement `call(y_true, y_pred)` in a `keras.losses.Loss` "
+                "subclass instead."
+            )
+        if loss_fn.reduction in (None, "none"):
+            raise ValueError(
+                "SafeDistributedModel needs losses that reduce to a scalar. "
+                f"Received: loss {loss_fn.name!r} with "
+                f"reduction={loss_fn.reduction!r}. Use "
+                "reduction='sum_over_batch_size' (the Keras default), 'mean', "
+                "'mean_with_sample_weight' or 'sum'."
+            )
+        self.loss_fn = loss_fn
+        self.weight = 1.0 if loss_weight is None else float(loss_weight)
+        self.samples = samples
+        self.terms = terms
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        fn = self.loss_fn
+        in_mask = _compat.keras_mask(y_pred)
+        with keras.name_scope(fn.name):
+            y_pred = keras.tree.map_structure(
+                lambda t: ops.convert_to_tensor(t, dtype=fn.dtype), y_pred
+            )
+            y_true = keras.tree.map_structure(
+                lambda t: ops.convert_to_tensor(t, dtype=fn.dtype), y_true
+            )
+            values = fn.call(y_true, y_pred)
+            mask = _merge_masks(in_mask, _compat.keras_mask(values))
+            values = ops.convert_to_tensor(values, dtype=fn.dtype)
+            if sample_weight is not None:
+                sample_weight = ops.convert_to_tensor(sample_weight, fn.dtype)
+            if mask is not None:
+                mask = ops.convert_to_tensor(mask, dtype=fn.dtype)
+            stock = _compat.reduce_weighted_values(
+                values, sample_weight, mask, fn.reduction, fn.dtype
+            )
+            self.terms.append(self._term(values, sample_weight, mask))
+        return stock
+
+    def _term(self, values, sample_weight, mask):
+        fn = self.loss_fn
+        if len(values.shape) == 0:
+            # The loss function already averaged over its micro-batch (Keras
+            # then ignores sample weights): weight it by the sample count.
+            return _Term(
+                ops.cast(values, "float32") * self.samples,
+                self.samples,
+                self.weight,
+                fn.name,
+                fn.reduction,
+                True,
+                1,
+            )
+        numerator = ops.cast(
+            _compat.reduce_weighted_values(
+                values, sample_weight, mask, "sum", fn.dtype
+            ),
+            "float32",
+        )
+        elements = values.shape[1:]
+        elements_per_sample = (
+            None if any(d is None for d in elements) else _prod(elements)
+        )
+        counts_samples = (
+            mask is None
+            and elements_per_sample is not None
+            and (
+                fn.reduction in _COUNT_REDUCTIONS
+                or (
+                    fn.reduction == "mean_with_sample_weight"
+                    and sample_weight is None
+                )
+            )
+        )
+        return _Term(
+            numerator,
+            self._denominator(values, sample_weight, mask),
+            self.weight,
+            fn.name,
+            fn.reduction,
+            counts_samples,
+            elements_per_sample,
+        )
+
+    def _denominator(self, values, sample_weight, mask):
+        reduction = self.loss_fn.reduction
+        if reduction == "sum":
+            return None
+        if reduction in _COUNT_REDUCTIONS:
+            if mask is None:
+                return ops.cast(ops.size(values), "float32")
+            return ops.cast(ops.sum(ops.cast(mask, "float32")), "float32")
+        # mean_with_sample_weight: Keras divides by the sum of the weights it
+        # multiplied the values with (mask included).
+        weights = _compat.apply_mask(
+            sample_weight, mask, dtype=values.dtype, reduction=reduction
+        )
+        if weights is None:
+            return ops.cast(ops.size(values), "float32")
+        _, weights = _compat.squeeze_or_expand_to_same_rank(values, weights)
+        return ops.cast(ops.sum(weights), "float32")
+
+
+def _merge_masks(first, second):
+    if first is not None and second is not None:
+        return first & second
+    return first if first is not None else second
+
+
+def _prod(dims):
+    result = 1
+    for d in dims:
+        result *= int(d)
+    return result

@@ -1,0 +1,272 @@
+"""One optimizer update per group of micro-batches, decided in cross-replica context.
+
+Each replica adds its micro-batch gradient (of the loss numerator) into a
+replica-local accumulator. After every micro-batch the replicas `merge_call`
+into cross-replica context, where a `tf.cond` decides whether the group is
+complete. Only there, inside `call_for_each_replica`, do the replicas all-reduce
+their accumulators (once per update), divide by the group's denominator, clip
+and check finiteness; a second cross-replica `tf.cond` applies or skips the
+update. No synchronization point ever sits inside a conditional in replica
+context, which is what makes Keras's own accumulation crash under
+`MirroredStrategy`, and every replica takes the decision computed from the same
+reduced values.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_safe_dist import _compat
+from keras_safe_dist import _loss
+
+_ON_READ = tf.VariableSynchronization.ON_READ
+_SUM = tf.VariableAggregation.SUM
+_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
+
+
+class UpdateEngine:
+    """Accumulators, counters and the update logic of one SafeDistributedModel."""
+
+    def __init__(self, model):
+        self.model = model
+        self.strategy = model.distribute_strategy
+        self.steps = model.gradient_accumulation_steps
+        self.loss_scale = _loss_scale_optimizer(model.optimizer)
+        self.normalized = True
+        with self.strategy.scope():
+            self.accumulators = [
+                tf.Variable(
+                    tf.zeros(v.shape, dtype=v.dtype),
+                    trainable=False,
+                    synchronization=_ON_READ,
+                    aggregation=_SUM,
+                    name="safe_dist_accumulator",
+                )
+                for v in (model.trainable_weights if self.steps > 1 else [])
+            ]
+            # numerator, denominator and samples of the pending group
+            self.group_totals = self._local(tf.zeros([3]))
+            self.group_size = self._mirrored(0, tf.int64)
+            self.epoch_step = self._mirrored(0, tf.int64)
+            self.steps_per_epoch = self._mirrored(-1, tf.int64)
+            self.updates_in_epoch = self._mirrored(0.0)
+            self.clipped_in_epoch = self._mirrored(0.0)
+            self.skipped_updates = self._mirrored(0.0)
+            self.grad_norm = self._mirrored(0.0)
+            self.samples_per_update = self._mirrored(0.0)
+        self.flush_function = tf.function(self._flush)
+
+    def _local(self, value):
+        return tf.Variable(
+            value, trainable=False, synchronization=_ON_READ, aggregation=_SUM
+        )
+
+    def _mirrored(self, value, dtype=tf.float32):
+        return tf.Variable(
+            tf.constant(value, dtype), trainable=False, aggregation=_FIRST
+        )
+
+    # Host-side bookkeeping, a few variable writes per epoch.
+
+    def begin_fit(self):
+        for acc in self.accumulators:
+            acc.assign(tf.zeros_like(acc))
+        self.group_totals.assign(tf.zeros([3]))
+        self.group_size.assign(0)
+        self.skipped_updates.assign(0.0)
+
+    def begin_epoch(self, steps):
+        self.steps_per_epoch.assign(-1 if steps is None else int(steps))
+        self.epoch_step.assign(0)
+        self.updates_in_epoch.assign(0.0)
+        self.clipped_in_epoch.assign(0.0)
+
+    def flush(self):
+        """Applies a partially filled group; returns whether one was pending."""
+        if self.steps == 1:
+            return False
+        with self.strategy.scope():
+            return bool(self.flush_function())
+
+    def _flush(self):
+        pending = self.group_size > 0
+        tf.cond(pending, self._update_from_accumulators, _nothing)
+        return pending
+
+    def logs(self):
+        """The values this engine adds to each step's logs (replica context)."""
+        return {
+            "grad_norm": self.grad_norm.read_value(),
+            "clip_rate": tf.math.divide_no_nan(
+                self.clipped_in_epoch.read_value(),
+                self.updates_in_epoch.read_value(),
+            ),
+            "skipped_updates": self.skipped_updates.read_value(),
+            "samples_per_update": self.samples_per_update.read_value(),
+        }
+
+    # In-graph logic.
+
+    def after_micro_batch(self, grads, micro):
+        """Called in replica context once the micro-batch gradient is known."""
+        self.normalized = micro.denominator is not None
+        totals = tf.stack(
+            [
+                micro.numerator,
+                micro.denominator if self.normalized else tf.zeros(()),
+                micro.samples,
+            ]
+        )
+        grads = [_dense(g, v) for g, v in zip(grads, self.model.trainable_weights)]
+        context = tf.distribute.get_replica_context()
+        if self.steps == 1:
+            context.merge_call(self._update_now, args=(grads, totals))
+            return
+        for acc, g in zip(self.accumulators, grads):
+            acc.assign_add(g)
+        self.group_totals.assign_add(totals)
+        context.merge_call(self._maybe_update)
+
+    def _update_now(self, strategy, grads, totals):
+        prepared = strategy.extended.call_for_each_replica(
+            self._reduce, args=(grads, totals)
+        )
+        self._apply_or_skip(strategy, *prepared)
+
+    def _maybe_update(self, strategy):
+        size = self.group_size.assign_add(1)
+        step = self.epoch_step.assign_add(1)
+        complete = tf.logical_or(
+            tf.greater_equal(size, self.steps),
+            tf.equal(step, self.steps_per_epoch.read_value()),
+        )
+        tf.cond(complete, self._update_from_accumulators, _nothing)
+
+    def _update_from_accumulators(self):
+        strategy = self.strategy
+        prepared = strategy.extended.call_for_each_replica(self._read_and_reset)
+        self._apply_or_skip(strategy, *prepared)
+        self.group_size.assign(0)
+
+    def _read_and_reset(self):
+        grads = [acc.read_value() for acc in self.accumulators]
+        totals = self.group_totals.read_value()
+        with tf.control_dependencies(grads + [totals]):
+            for acc in self.accumulators:
+                acc.assign(tf.zeros_like(acc))
+            self.group_totals.assign(tf.zeros([3]))
+        return self._reduce(grads, totals)
+
+    def _reduce(self, grads, totals):
+        """Replica context: the one all-reduce, then normalization and clipping."""
+        context = tf.distribute.get_replica_context()
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads) + [totals])
+        grads, totals = reduced[:-1], reduced[-1]
+        numerator, denominator, samples = totals[0], totals[1], totals[2]
+        if self.normalized:
+            grads = [tf.math.divide_no_nan(g, denominator) for g in grads]
+            loss = tf.math.divide_no_nan(numerator, denominator)
+        else:
+            loss = numerator
+        if self.loss_scale is not None:
+            scale = tf.cast(self.loss_scale.dynamic_scale, grads[0].dtype)
+            grads = [g / scale for g in grads]
+        grads, loss = self._add_weight_regularization(grads, loss)
+        finite = tf.math.is_finite(loss)
+        for g in grads:
+            finite = tf.logical_and(finite, tf.reduce_all(tf.math.is_finite(g)))
+        norm = tf.linalg.global_norm(grads)
+        grads, clipped = self._clip(grads, norm)
+        return grads, (finite, norm, clipped, samples)
+
+    def _add_weight_regularization(self, grads, loss):
+        variables = self.model.trainable_weights
+        with tf.GradientTape() as tape:
+            penalty = _loss.weight_regularization(self.model)
+        if penalty is None:
+            return grads, loss
+        extra = tape.gradient(penalty, variables)
+        grads = [g if e is None else g + _dense(e, v) for g, e, v in zip(grads, extra, variables)]
+        return grads, loss + penalty
+
+    def _clip(self, grads, norm):
+        model = self.model
+        if model.global_clipnorm is not None:
+            limit = tf.constant(model.global_clipnorm, norm.dtype)
+            clipped, _ = tf.clip_by_global_norm(grads, limit, use_norm=norm)
+            return clipped, tf.greater(norm, limit)
+        if model.clipnorm is not None:
+            limit = model.clipnorm
+            norms = [tf.norm(g) for g in grads]
+            clipped = [tf.clip_by_norm(g, limit) for g in grads]
+            return clipped, tf.reduce_any(tf.greater(tf.stack(norms), limit))
+        if model.clipvalue is not None:
+            limit = model.clipvalue
+            clipped = [tf.clip_by_value(g, -limit, limit) for g in grads]
+            over = [tf.reduce_any(tf.greater(tf.abs(g), limit)) for g in grads]
+            return clipped, tf.reduce_any(tf.stack(over))
+        return grads, tf.constant(False)
+
+    def _apply_or_skip(self, strategy, grads, stats):
+        """Cross-replica context: every replica computed the same stats."""
+        finite, norm, clipped, samples = (
+            strategy.experimental_local_results(s)[0] for s in stats
+        )
+        must_skip = self.model.skip_nonfinite or self.loss_scale is not None
+        apply = tf.logical_or(finite, not must_skip)
+
+        def apply_update():
+            optimizer = self.loss_scale.inner_optimizer if self.loss_scale else self.model.optimizer
+            with _compat.gradients_already_reduced(optimizer):
+                strategy.extended.call_for_each_replica(
+                    self._apply_gradients, args=(optimizer, grads)
+                )
+            if self.loss_scale is not None:
+                _grow_loss_scale(self.loss_scale)
+            self.updates_in_epoch.assign_add(1.0)
+            self.clipped_in_epoch.assign_add(tf.cast(clipped, tf.float32))
+
+        def skip_update():
+            if self.loss_scale is not None:
+                self.loss_scale.step_counter.assign(0)
+                self.loss_scale.dynamic_scale.assign(self.loss_scale.dynamic_scale * 0.5)
+            self.skipped_updates.assign_add(1.0)
+
+        tf.cond(apply, apply_update, skip_update)
+        self.grad_norm.assign(norm)
+        self.samples_per_update.assign(samples)
+
+    def _apply_gradients(self, optimizer, grads):
+        optimizer.apply(list(grads), self.model.trainable_weights)
+
+
+def _grow_loss_scale(optimizer):
+    """Keras's dynamic loss-scale growth rule, applied after a finite update."""
+
+    def upscale():
+        optimizer.step_counter.assign(0)
+        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
+
+    def increment():
+        optimizer.step_counter.assign_add(1)
+
+    tf.cond(
+        tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1),
+        upscale,
+        increment,
+    )
+
+
+def _loss_scale_optimizer(optimizer):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer
+    return None
+
+
+def _dense(grad, variable):
+    if grad is None:
+        return tf.zeros(variable.shape, dtype=variable.dtype)
+    return tf.convert_to_tensor(grad)
+
+
+def _nothing():
+    return None

@@ -1,0 +1,352 @@
+"""`SafeDistributedModel`: exact gradient accumulation and clipping under tf.distribute."""
+
+import inspect
+import numbers
+
+import keras
+import tensorflow as tf
+
+from keras_safe_dist import _compat
+from keras_safe_dist import _loss
+from keras_safe_dist._update import UpdateEngine
+
+_OPTIMIZER_OPTIONS = {
+    "clipnorm": "clips each replica's gradient before the cross-replica all-reduce",
+    "global_clipnorm": "clips each replica's gradient before the cross-replica all-reduce",
+    "clipvalue": "clips each replica's gradient before the cross-replica all-reduce",
+    "gradient_accumulation_steps": (
+        "crashes under MirroredStrategy (a merge_call inside tf.cond) and "
+        "weights uneven micro-batches equally"
+    ),
+}
+
+
+@keras.saving.register_keras_serializable(package="keras_safe_dist")
+class SafeDistributedModel(keras.Model):
+    """A `keras.Model` whose updates stay exact under `tf.distribute`.
+
+    `fit()`'s `batch_size` is the micro-batch. The model sums each micro-batch
+    gradient of the loss numerator on every replica, all-reduces once per
+    optimizer update, divides by the group's loss denominator (as Keras would
+    for one batch holding all samples of the group), adds the weight
+    regularization gradient once, then clips and applies. Every update
+    therefore equals the update stock Keras makes on one device for one big
+    batch, whatever the number of replicas or how a batch splits across them.
+
+    Use it like `keras.Model`: functionally
+    (`SafeDistributedModel(inputs=..., outputs=..., ...)`, which also wraps the
+    inputs and outputs of any Sequential or functional model) or by
+    subclassing and implementing `call()`.
+
+    Args:
+        gradient_accumulation_steps: micro-batches per optimizer update. A
+            partial group at the end of an epoch is applied, weighted by its
+            samples. Integer >= 1.
+        global_clipnorm: clip the global norm of the reduced gradient to this
+            value. Float > 0 or None.
+        clipnorm: clip each reduced gradient tensor to this norm. Float > 0 or
+            None.
+        clipvalue: clip each element of the reduced gradient to
+            `[-clipvalue, clipvalue]`. Float > 0 or None.
+        skip_nonfinite: when the reduced gradient or loss is not finite, leave
+            weights and optimizer state untouched and count a skipped update.
+            Under a `LossScaleOptimizer` such updates are always skipped.
+        *args, **kwargs: passed to `keras.Model`.
+
+    Raises:
+        ValueError: for an invalid option, or two clipping modes at once.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MirroredStrategy()
+    with strategy.scope():
+        inputs = keras.Input((8,))
+        outputs = keras.layers.Dense(1)(inputs)
+        model = SafeDistributedModel(
+            inputs=inputs, outputs=outputs,
+            gradient_accumulation_steps=4, global_clipnorm=1.0,
+        )
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=32)  # one update per 4 * 32 samples
+    ```
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is SafeDistributedModel and _functional_arguments(args, kwargs):
+            return keras.Model.__new__(SafeDistributedFunctional, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(
+        self,
+        *args,
+        gradient_accumulation_steps=1,
+        global_clipnorm=None,
+        clipnorm=None,
+        clipvalue=None,
+        skip_nonfinite=True,
+        **kwargs,
+    ):
+        options = _validate_options(
+            gradient_accumulation_steps,
+            global_clipnorm,
+            clipnorm,
+            clipvalue,
+            skip_nonfinite,
+        )
+        super().__init__(*args, **kwargs)
+        self._set_options(options)
+
+    def _set_options(self, options):
+        self.gradient_accumulation_steps = options["gradient_accumulation_steps"]
+        self.global_clipnorm = options["global_clipnorm"]
+        self.clipnorm = options["clipnorm"]
+        self.clipvalue = options["clipvalue"]
+        self.skip_nonfinite = options["skip_nonfinite"]
+        self._update_engine = None
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            global_clipnorm=self.global_clipnorm,
+            clipnorm=self.clipnorm,
+            clipvalue=self.clipvalue,
+            skip_nonfinite=self.skip_nonfinite,
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        options = {
+            name: config.pop(name) for name in _OPTION_DEFAULTS if name in config
+        }
+        model = super().from_config(config, custom_objects=custom_objects)
+        model._set_options(
+            _validate_options(**{**_OPTION_DEFAULTS, **options})
+        )
+        return model
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        """Same as `keras.Model.compile`, refusing optimizer-side clipping.
+
+        Raises:
+            ValueError: when the optimizer carries `clipnorm`,
+                `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`.
+        """
+        optimizer = keras.optimizers.get(optimizer)
+        _check_optimizer(optimizer)
+        super().compile(optimizer, *args, **kwargs)
+        self._update_engine = None
+
+    def fit(self, *args, **kwargs):
+        """Same as `keras.Model.fit`; `batch_size` is the micro-batch size."""
+        position = _FIT_CALLBACKS_POSITION
+        args = list(args)
+        if len(args) > position:
+            args[position] = self._with_epoch_callback(args[position])
+        else:
+            kwargs["callbacks"] = self._with_epoch_callback(kwargs.get("callbacks"))
+        return super().fit(*args, **kwargs)
+
+    def _with_epoch_callback(self, callbacks):
+        callback = _EpochBoundary()
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callback.set_model(self)
+            callback.set_params(callbacks.params)
+            callbacks.callbacks.insert(0, callback)
+            return callbacks
+        return [callback] + list(callbacks or [])
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        if _compat.compute_loss_is_overridden(self):
+            raise TypeError(
+                f"{type(self).__name__} overrides `compute_loss()`, which "
+                "SafeDistributedModel cannot split into the per-sample sums it "
+                "accumulates. Pass a `keras.losses.Loss` to `compile()` and "
+                "use `add_loss()` for extra terms instead."
+            )
+        with self.distribute_strategy.scope():
+            if not self.optimizer.built:
+                self.optimizer.build(self.trainable_variables)
+        self._update_engine = UpdateEngine(self)
+        return super().make_train_function(force=force)
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
+            objective = micro.numerator
+            if self._update_engine.loss_scale is not None:
+                objective = self.optimizer.scale_loss(objective)
+        grads = tape.gradient(objective, self.trainable_weights)
+        self._update_engine.after_micro_batch(grads, micro)
+        self._track_loss(micro)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs.update(self._update_engine.logs())
+        return logs
+
+    def _track_loss(self, micro):
+        penalty = _loss.weight_regularization(self)
+        penalty = tf.zeros(()) if penalty is None else penalty
+        tracker = _compat.loss_tracker(self)
+        if micro.denominator is not None:
+            value = tf.math.divide_no_nan(micro.numerator, micro.denominator)
+            tracker.update_state(value + penalty, sample_weight=micro.denominator)
+        else:
+            # reduction="sum": log the mean over micro-batches of the sum over
+            # all replicas' samples.
+            replicas = self.distribute_strategy.num_replicas_in_sync
+            tracker.update_state(
+                micro.numerator * replicas + penalty, sample_weight=1.0 / replicas
+            )
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Stock Keras MEAN-reduces the first distributed batch to build the
+        # model, which crashes when it splits unevenly across replicas and
+        # under MultiWorkerMirroredStrategy. Specs of one replica's share
+        # (with an unknown batch dimension) are all the build needs.
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = next(batches)
+                break
+        strategy = self.distribute_strategy
+        specs = keras.tree.map_structure(
+            lambda v: _batch_spec(strategy, v), data_batch
+        )
+        with strategy.scope():
+            _compat.symbolic_build(self, specs)
+
+
+@keras.saving.register_keras_serializable(package="keras_safe_dist")
+class SafeDistributedFunctional(SafeDistributedModel, _compat.Functional):
+    """The class `SafeDistributedModel(inputs=..., outputs=...)` returns."""
+
+
+class _EpochBoundary(keras.callbacks.Callback):
+    """Resets per-fit and per-epoch counters; applies a pending partial group.
+
+    With a known number of steps the last micro-batch of an epoch already
+    applies its partial group in-graph; this callback catches the rest (an
+    epoch of unknown length, or one stopped early). It overrides no batch
+    hook, so Keras keeps dispatching batches asynchronously.
+    """
+
+    def on_train_begin(self, logs=None):
+        self.model._update_engine.begin_fit()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model._update_engine.begin_epoch(self.params.get("steps"))
+
+    def on_epoch_end(self, epoch, logs=None):
+        engine = self.model._update_engine
+        if engine.flush() and logs is not None:
+            logs.update(
+                {name: float(value) for name, value in engine.logs().items()}
+            )
+
+
+_OPTION_DEFAULTS = {
+    "gradient_accumulation_steps": 1,
+    "global_clipnorm": None,
+    "clipnorm": None,
+    "clipvalue": None,
+    "skip_nonfinite": True,
+}
+
+_FIT_CALLBACKS_POSITION = (
+    list(inspect.signature(keras.Model.fit).parameters).index("callbacks") - 1
+)
+
+
+def _validate_options(
+    gradient_accumulation_steps,
+    global_clipnorm,
+    clipnorm,
+    clipvalue,
+    skip_nonfinite,
+):
+    steps = gradient_accumulation_steps
+    if (
+        isinstance(steps, bool)
+        or not isinstance(steps, numbers.Integral)
+        or steps < 1
+    ):
+        raise ValueError(
+            "`gradient_accumulation_steps` must be an integer >= 1. "
+            f"Received: gradient_accumulation_steps={steps!r}"
+        )
+    clips = {
+        "global_clipnorm": global_clipnorm,
+        "clipnorm": clipnorm,
+        "clipvalue": clipvalue,
+    }
+    for name, value in clips.items():
+        if value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not value > 0
+            or value == float("inf")
+        ):
+            raise ValueError(
+                f"`{name}` must be a finite number > 0 or None. "
+                f"Received: {name}={value!r}"
+            )
+    given = {name: value for name, value in clips.items() if value is not None}
+    if len(given) > 1:
+        received = ", ".join(f"{name}={value!r}" for name, value in clips.items())
+        raise ValueError(
+            "Only one of `global_clipnorm`, `clipnorm` and `clipvalue` can be "
+            f"set. Received: {received}"
+        )
+    if not isinstance(skip_nonfinite, bool):
+        raise ValueError(
+            "`skip_nonfinite` must be True or False. "
+            f"Received: skip_nonfinite={skip_nonfinite!r}"
+        )
+    return {
+        "gradient_accumulation_steps": int(steps),
+        **{name: None if v is None else float(v) for name, v in clips.items()},
+        "skip_nonfinite": skip_nonfinite,
+    }
+
+
+def _check_optimizer(optimizer):
+    inner = getattr(optimizer, "inner_optimizer", None)
+    for candidate in (optimizer, inner):
+        if candidate is None:
+            continue
+        for name, why in _OPTIMIZER_OPTIONS.items():
+            value = getattr(candidate, name, None)
+            if value is not None:
+                raise ValueError(
+                    f"The optimizer passed to SafeDistributedModel.compile() "
+                    f"sets `{name}={value!r}`, which {why}. Pass `{name}` to "
+                    f"SafeDistributedModel(...) instead and leave it unset on "
+                    f"the optimizer. Received optimizer: {candidate.name}"
+                )
+
+
+def _functional_arguments(args, kwargs):
+    return (
+        len(args) == 2
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
+
+
+def _batch_spec(strategy, value):
+    if value is None:
+        return None
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = strategy.experimental_local_results(value)[0]
+    shape = tuple(value.shape)
+    if shape:
+        shape = (None,) + shape[1:]
+    return keras.KerasTensor(shape, dtype=value.dtype.name)
