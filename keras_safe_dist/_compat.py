@@ -7,6 +7,9 @@ training silently.
 
 import contextlib
 
+import keras
+import tensorflow as tf
+
 from keras.src import backend as _keras_backend
 from keras.src.losses import loss as _keras_loss
 from keras.src.models.functional import Functional
@@ -30,11 +33,6 @@ def compile_loss(model):
 def loss_tracker(model):
     """Returns the `Mean` metric that Keras logs as `loss`."""
     return model._loss_tracker
-
-
-def symbolic_build(model, data_batch):
-    """Builds model, compiled loss and metrics from a batch of specs."""
-    model._symbolic_build(data_batch=data_batch)
 
 
 def compute_loss_is_overridden(model):
@@ -84,3 +82,50 @@ def keras_mask(tensor):
     """Returns the Keras mask attached to `tensor`, or None."""
     return _keras_backend.get_keras_mask(tensor)
 
+
+
+class TrainerOverrides:
+    """Replacements for two private `keras.Model` methods that `fit()` calls.
+
+    A class using this mixin implements `_update_log_names()`, the names its
+    `train_step` adds to the logs besides the metrics.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Stock Keras MEAN-reduces the first distributed batch to build the
+        # model, which crashes when that batch splits unevenly across replicas
+        # and under MultiWorkerMirroredStrategy. The specs of one replica's
+        # share, with an unknown batch dimension, are all a build needs.
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = next(batches)
+                break
+        strategy = self.distribute_strategy
+        specs = keras.tree.map_structure(
+            lambda v: _batch_spec(strategy, v), data_batch
+        )
+        with strategy.scope():
+            self._symbolic_build(data_batch=specs)
+
+    def _get_metrics_result_or_logs(self, logs):
+        # Keras replaces an epoch's last-step logs (each a mean of per-replica
+        # results) with the metrics read across replicas, but only when the
+        # keys match exactly. Keep that exact read with extra log names.
+        names = self._update_log_names()
+        if isinstance(logs, dict) and all(name in logs for name in names):
+            metric_logs = {k: v for k, v in logs.items() if k not in names}
+            result = dict(super()._get_metrics_result_or_logs(metric_logs))
+            result.update({name: logs[name] for name in names})
+            return result
+        return super()._get_metrics_result_or_logs(logs)
+
+
+def _batch_spec(strategy, value):
+    if value is None:
+        return None
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = strategy.experimental_local_results(value)[0]
+    shape = tuple(value.shape)
+    if shape:
+        shape = (None,) + shape[1:]
+    return keras.KerasTensor(shape, dtype=value.dtype.name)

@@ -26,6 +26,8 @@ _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 class UpdateEngine:
     """Accumulators, counters and the update logic of one SafeDistributedModel."""
 
+    LOG_NAMES = ("grad_norm", "clip_rate", "skipped_updates", "samples_per_update")
+
     def __init__(self, model):
         self.model = model
         self.strategy = model.distribute_strategy

@@ -22,7 +22,7 @@ _OPTIMIZER_OPTIONS = {
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
-class SafeDistributedModel(keras.Model):
+class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     """A `keras.Model` whose updates stay exact under `tf.distribute`.
 
     `fit()`'s `batch_size` is the micro-batch. The model sums each micro-batch
@@ -138,6 +138,16 @@ class SafeDistributedModel(keras.Model):
         optimizer = keras.optimizers.get(optimizer)
         _check_optimizer(optimizer)
         super().compile(optimizer, *args, **kwargs)
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if self.steps_per_execution > 1 and replicas > 1:
+            raise ValueError(
+                "SafeDistributedModel supports `steps_per_execution` > 1 only "
+                "on a single replica: TensorFlow cannot run the cross-replica "
+                "update inside the while loop Keras builds for it (stock Keras "
+                "fails the same way with a LossScaleOptimizer). Received: "
+                f"steps_per_execution={self.steps_per_execution} with "
+                f"{replicas} replicas. Use steps_per_execution=1."
+            )
         self._update_engine = None
 
     def fit(self, *args, **kwargs):
@@ -190,6 +200,9 @@ class SafeDistributedModel(keras.Model):
         logs.update(self._update_engine.logs())
         return logs
 
+    def _update_log_names(self):
+        return UpdateEngine.LOG_NAMES
+
     def _track_loss(self, micro):
         penalty = _loss.weight_regularization(self)
         penalty = tf.zeros(()) if penalty is None else penalty
@@ -204,22 +217,6 @@ class SafeDistributedModel(keras.Model):
             tracker.update_state(
                 micro.numerator * replicas + penalty, sample_weight=1.0 / replicas
             )
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Stock Keras MEAN-reduces the first distributed batch to build the
-        # model, which crashes when it splits unevenly across replicas and
-        # under MultiWorkerMirroredStrategy. Specs of one replica's share
-        # (with an unknown batch dimension) are all the build needs.
-        if iterator is not None:
-            for _, _, batches in iterator:
-                data_batch = next(batches)
-                break
-        strategy = self.distribute_strategy
-        specs = keras.tree.map_structure(
-            lambda v: _batch_spec(strategy, v), data_batch
-        )
-        with strategy.scope():
-            _compat.symbolic_build(self, specs)
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
@@ -339,14 +336,3 @@ def _functional_arguments(args, kwargs):
         or (len(args) == 1 and "outputs" in kwargs)
         or ("inputs" in kwargs and "outputs" in kwargs)
     )
-
-
-def _batch_spec(strategy, value):
-    if value is None:
-        return None
-    if isinstance(value, tf.distribute.DistributedValues):
-        value = strategy.experimental_local_results(value)[0]
-    shape = tuple(value.shape)
-    if shape:
-        shape = (None,) + shape[1:]
-    return keras.KerasTensor(shape, dtype=value.dtype.name)

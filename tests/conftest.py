@@ -1,0 +1,61 @@
+"""Shared TensorFlow start-up: two logical CPU devices and one MirroredStrategy."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+_CPU = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _CPU, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+_MIRRORED = None
+
+
+def mirrored_strategy():
+    """The one MirroredStrategy of this process (two logical CPU devices)."""
+    global _MIRRORED
+    if _MIRRORED is None:
+        _MIRRORED = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    return _MIRRORED
+
+
+def strategy_for(replicas):
+    """1 replica: TensorFlow's default strategy; 2: the shared MirroredStrategy."""
+    if replicas == 1:
+        return tf.distribute.get_strategy()
+    assert replicas == 2, replicas
+    return mirrored_strategy()
+
+
+@pytest.fixture(params=[1, 2], ids=["1replica", "2replicas"])
+def replicas(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _float32_policy():
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+def regression_data(samples, features=4, outputs=1, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, features)).astype("float32")
+    y = (x @ rng.normal(size=(features, outputs)) + 0.1).astype("float32")
+    weights = rng.uniform(0.2, 2.0, size=(samples,)).astype("float32")
+    return x, y, weights
+
+
+def relative_error(expected, actual):
+    """Largest ||expected - actual|| / ||expected|| over the weight tensors."""
+    return max(
+        float(np.linalg.norm(e - a) / max(np.linalg.norm(e), 1e-12))
+        for e, a in zip(expected, actual)
+    )

@@ -1,0 +1,181 @@
+"""SafeDistributedModel's arguments, compile checks, saving, evaluate/predict and logs."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import regression_data
+from conftest import strategy_for
+
+from keras_safe_dist import SafeDistributedFunctional
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.model import _EpochBoundary
+
+
+def functional(**options):
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1)(keras.layers.Dense(3, activation="tanh")(inputs))
+    return SafeDistributedModel(inputs=inputs, outputs=outputs, **options)
+
+
+@keras.saving.register_keras_serializable(package="keras_safe_dist_tests")
+class TwoLayer(SafeDistributedModel):
+    def __init__(self, units=3, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.hidden = keras.layers.Dense(units, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"gradient_accumulation_steps": 0}, "`gradient_accumulation_steps` must be an integer >= 1. Received: gradient_accumulation_steps=0"),
+        ({"gradient_accumulation_steps": 2.0}, "Received: gradient_accumulation_steps=2.0"),
+        ({"gradient_accumulation_steps": True}, "Received: gradient_accumulation_steps=True"),
+        ({"global_clipnorm": 0.0}, "`global_clipnorm` must be a finite number > 0 or None. Received: global_clipnorm=0.0"),
+        ({"clipnorm": -1}, "`clipnorm` must be a finite number > 0 or None. Received: clipnorm=-1"),
+        ({"clipvalue": "1"}, "Received: clipvalue='1'"),
+        ({"clipvalue": float("nan")}, "Received: clipvalue=nan"),
+        ({"clipnorm": 1.0, "clipvalue": 2.0}, "Only one of `global_clipnorm`, `clipnorm` and `clipvalue` can be set. Received: global_clipnorm=None, clipnorm=1.0, clipvalue=2.0"),
+        ({"skip_nonfinite": 1}, "`skip_nonfinite` must be True or False. Received: skip_nonfinite=1"),
+    ],
+)
+def test_bad_arguments_raise_naming_argument_and_value(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        functional(**kwargs)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "optimizer,reason",
+    [
+        (keras.optimizers.SGD(clipnorm=1.0), "clips each replica's gradient before the cross-replica all-reduce"),
+        (keras.optimizers.Adam(global_clipnorm=1.0), "clips each replica's gradient before the cross-replica all-reduce"),
+        (keras.optimizers.SGD(clipvalue=0.5), "clips each replica's gradient before the cross-replica all-reduce"),
+        (keras.optimizers.SGD(gradient_accumulation_steps=2), "crashes under MirroredStrategy"),
+        (keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(clipnorm=1.0)), "clipnorm=1.0"),
+    ],
+)
+def test_compile_rejects_optimizer_side_clipping_and_accumulation(optimizer, reason):
+    model = functional()
+    with pytest.raises(ValueError) as error:
+        model.compile(optimizer=optimizer, loss="mse")
+    assert reason in str(error.value)
+    assert "to SafeDistributedModel(...) instead" in str(error.value)
+
+
+def test_steps_per_execution_with_two_replicas_is_refused():
+    with strategy_for(2).scope():
+        model = functional()
+        with pytest.raises(ValueError, match="Received: steps_per_execution=3 with 2 replicas"):
+            model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+
+
+def test_overridden_compute_loss_is_refused():
+    class Custom(TwoLayer):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean((y - y_pred) ** 2)
+
+    x, y, _ = regression_data(8)
+    model = Custom()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(TypeError, match="overrides `compute_loss\\(\\)`"):
+        model.fit(x, y, verbose=0)
+
+
+def test_functional_form_returns_functional_subclass():
+    model = functional(gradient_accumulation_steps=2)
+    assert isinstance(model, SafeDistributedFunctional)
+    assert isinstance(model, SafeDistributedModel)
+    assert model.gradient_accumulation_steps == 2
+
+
+def test_wraps_a_sequential_model():
+    sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model = SafeDistributedModel(inputs=sequential.inputs, outputs=sequential.outputs, clipvalue=0.5)
+    assert model.clipvalue == 0.5
+    assert len(model.trainable_weights) == 2
+
+
+@pytest.mark.parametrize("build", [functional, TwoLayer], ids=["functional", "subclassed"])
+def test_save_and_load_round_trip(tmp_path, build):
+    x, y, _ = regression_data(16)
+    model = build(gradient_accumulation_steps=3, clipnorm=0.5, skip_nonfinite=False)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=4, verbose=0)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded) is type(model)
+    assert loaded.gradient_accumulation_steps == 3
+    assert loaded.clipnorm == 0.5
+    assert loaded.global_clipnorm is None
+    assert loaded.skip_nonfinite is False
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_evaluate_and_predict_match_stock(replicas):
+    x, y, w = regression_data(33)
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((4,))
+    stock = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    stock.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    with strategy_for(replicas).scope():
+        inputs = keras.Input((4,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        model.set_weights(stock.get_weights())
+    expected = stock.evaluate(x, y, sample_weight=w, batch_size=33, return_dict=True, verbose=0)
+    results = model.evaluate(x, y, sample_weight=w, batch_size=16, return_dict=True, verbose=0)
+    assert set(results) == set(expected) == {"loss", "mae"}
+    assert results["mae"] == pytest.approx(expected["mae"], rel=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), stock.predict(x, verbose=0), rtol=1e-5)
+
+
+def test_logs_report_grad_norm_clip_rate_skips_and_samples(replicas):
+    x, y, _ = regression_data(48)
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((4,))
+    stock = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    stock.compile(loss="mse")
+    with strategy_for(replicas).scope():
+        inputs = keras.Input((4,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs), gradient_accumulation_steps=2, global_clipnorm=1e-3)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        model.set_weights(stock.get_weights())
+    with tf.GradientTape() as tape:
+        loss = keras.losses.mean_squared_error(y[32:], stock(x[32:]))
+        loss = keras.ops.mean(loss)
+    expected_norm = tf.linalg.global_norm(tape.gradient(loss, stock.trainable_weights))
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert history["samples_per_update"] == [16.0, 16.0]
+    assert history["clip_rate"] == [1.0, 1.0]
+    assert history["skipped_updates"] == [0.0, 0.0]
+    assert history["grad_norm"][-1] == pytest.approx(float(expected_norm), rel=1e-5)
+
+
+def test_callback_overrides_no_batch_hook():
+    # A batch hook would make Keras sync with the host after every batch.
+    for hook in ("on_train_batch_begin", "on_train_batch_end", "on_batch_end"):
+        assert getattr(_EpochBoundary, hook) is getattr(keras.callbacks.Callback, hook)
+
+
+def test_user_callbacks_still_run_and_see_logs():
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(sorted(logs))
+
+    x, y, _ = regression_data(16)
+    model = functional()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[Record()])
+    assert seen == [["clip_rate", "grad_norm", "loss", "samples_per_update", "skipped_updates"]]

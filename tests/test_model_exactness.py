@@ -1,0 +1,224 @@
+"""Every update equals stock Keras on one device with one batch per group."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import regression_data
+from conftest import relative_error
+from conftest import strategy_for
+
+from keras_safe_dist import SafeDistributedModel
+
+TOLERANCE = 1e-5
+
+
+def mlp(inputs, regularizer=None):
+    hidden = keras.layers.Dense(
+        3, activation="tanh", kernel_regularizer=regularizer, name="hidden"
+    )(inputs)
+    return keras.layers.Dense(1, name="out")(hidden)
+
+
+def twins(replicas, build, compile_kwargs, **options):
+    """A stock reference on one device and a SafeDistributedModel, same weights."""
+    keras.utils.set_random_seed(7)
+    inputs, outputs = build()
+    reference = keras.Model(inputs, outputs)
+    reference.compile(**compile_kwargs())
+    with strategy_for(replicas).scope():
+        inputs, outputs = build()
+        model = SafeDistributedModel(inputs=inputs, outputs=outputs, **options)
+        model.compile(**compile_kwargs())
+        model.set_weights(reference.get_weights())
+    return reference, model
+
+
+def sgd_mse():
+    return dict(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+
+
+def simple():
+    inputs = keras.Input((4,))
+    return inputs, mlp(inputs)
+
+
+# (samples, micro-batch): short last micro-batch; a last micro-batch of one
+# sample (one replica gets none); odd micro-batches; a first batch smaller
+# than the batch size.
+SPLITS = [(80, 32), (65, 16), (45, 15), (7, 16)]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+@pytest.mark.parametrize("samples,batch", SPLITS)
+def test_update_equals_one_big_batch(replicas, steps, samples, batch):
+    weighted = samples % 2 == 1
+    x, y, w = regression_data(samples)
+    sample_weight = w if weighted else None
+    reference, model = twins(
+        replicas, simple, sgd_mse, gradient_accumulation_steps=steps
+    )
+    reference.fit(
+        x, y, sample_weight=sample_weight, batch_size=batch * steps,
+        epochs=2, shuffle=False, verbose=0,
+    )
+    history = model.fit(
+        x, y, sample_weight=sample_weight, batch_size=batch,
+        epochs=2, shuffle=False, verbose=0,
+    )
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    groups = -(-samples // (batch * steps))
+    assert int(model.optimizer.iterations.numpy()) == 2 * groups
+    last_group = samples - (groups - 1) * batch * steps
+    assert history.history["samples_per_update"][-1] == last_group
+
+
+def test_replica_count_does_not_change_weights():
+    x, y, _ = regression_data(65)
+    weights = []
+    for replicas in (1, 2):
+        _, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=2)
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    assert relative_error(weights[0], weights[1]) < TOLERANCE
+
+
+def test_class_weight_matches_one_big_batch(replicas):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(50, 4)).astype("float32")
+    y = rng.integers(0, 3, size=(50,))
+    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+
+    def build():
+        inputs = keras.Input((4,))
+        return inputs, keras.layers.Dense(3, activation="softmax")(inputs)
+
+    def compile_kwargs():
+        return dict(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss="sparse_categorical_crossentropy",
+        )
+
+    reference, model = twins(replicas, build, compile_kwargs, gradient_accumulation_steps=2)
+    reference.fit(x, y, class_weight=class_weight, batch_size=24, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, class_weight=class_weight, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
+def test_multiple_outputs_with_loss_weights(replicas):
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(45, 4)).astype("float32")
+    y_reg = rng.normal(size=(45, 2)).astype("float32")
+    y_cls = rng.integers(0, 3, size=(45,))
+
+    def build():
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(5, activation="relu")(inputs)
+        return inputs, {
+            "reg": keras.layers.Dense(2, name="reg")(hidden),
+            "cls": keras.layers.Dense(3, activation="softmax", name="cls")(hidden),
+        }
+
+    def compile_kwargs():
+        return dict(
+            optimizer=keras.optimizers.SGD(0.2),
+            loss={"reg": "mse", "cls": "sparse_categorical_crossentropy"},
+            loss_weights={"reg": 0.3, "cls": 1.5},
+        )
+
+    targets = {"reg": y_reg, "cls": y_cls}
+    reference, model = twins(replicas, build, compile_kwargs, gradient_accumulation_steps=3)
+    reference.fit(x, targets, batch_size=30, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, targets, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
+def test_weight_regularizer_counted_once_per_update(replicas):
+    x, y, _ = regression_data(45)
+
+    def build():
+        inputs = keras.Input((4,))
+        return inputs, mlp(inputs, keras.regularizers.L2(0.3))
+
+    reference, model = twins(replicas, build, sgd_mse, gradient_accumulation_steps=3)
+    reference.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
+def test_embedding_sparse_gradients(replicas):
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 20, size=(37, 3))
+    y = rng.normal(size=(37, 1)).astype("float32")
+
+    def build():
+        inputs = keras.Input((3,), dtype="int32")
+        embedded = keras.layers.Embedding(20, 4)(inputs)
+        flat = keras.layers.Flatten()(embedded)
+        return inputs, keras.layers.Dense(1)(flat)
+
+    reference, model = twins(replicas, build, sgd_mse, gradient_accumulation_steps=2)
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
+def test_other_loss_reductions(replicas, reduction):
+    x, y, w = regression_data(45)
+
+    def compile_kwargs():
+        return dict(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.MeanSquaredError(reduction=reduction),
+        )
+
+    reference, model = twins(replicas, simple, compile_kwargs, gradient_accumulation_steps=2)
+    reference.fit(x, y, sample_weight=w, batch_size=20, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, sample_weight=w, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
+def test_dataset_of_unknown_length_applies_partial_group_at_epoch_end(replicas):
+    x, y, _ = regression_data(50)
+    reference, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=3)
+    reference.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(8)
+    )
+    assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    model.fit(dataset, epochs=2, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    assert int(model.optimizer.iterations.numpy()) == 2 * 3
+
+
+def test_steps_per_execution_on_one_replica():
+    x, y, _ = regression_data(50)
+
+    def compile_kwargs():
+        return dict(sgd_mse(), steps_per_execution=2)
+
+    reference, model = twins(1, simple, compile_kwargs, gradient_accumulation_steps=3)
+    reference.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
+def test_logged_loss_is_exact_sample_weighted_mean():
+    x, y, w = regression_data(33)
+
+    def frozen():
+        return dict(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+
+    reference, model = twins(2, simple, frozen)
+    history = model.fit(x, y, sample_weight=w, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    expected = reference.evaluate(x, y, sample_weight=w, batch_size=33, verbose=0)
+    assert history.history["loss"][0] == pytest.approx(expected, rel=1e-6)
+
+
+def test_first_batch_split_unevenly_trains():
+    x, y, _ = regression_data(63)
+    reference, model = twins(2, simple, sgd_mse)
+    reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
