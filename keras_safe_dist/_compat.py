@@ -9,7 +9,6 @@ import contextlib
 
 import keras
 import tensorflow as tf
-
 from keras.src import backend as _keras_backend
 from keras.src.losses import loss as _keras_loss
 from keras.src.models.functional import Functional

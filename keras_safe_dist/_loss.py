@@ -8,7 +8,8 @@ and the denominator apart: it accumulates both over micro-batches and
 replicas, and divides once per optimizer update.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
+from typing import Optional
 
 import keras
 import tensorflow as tf

@@ -4,12 +4,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import regression_data
-from conftest import strategy_for
 
 from keras_safe_dist import SafeDistributedFunctional
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist.model import _EpochBoundary
+
+from conftest import regression_data
+from conftest import strategy_for
 
 
 def functional(**options):

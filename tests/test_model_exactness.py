@@ -4,11 +4,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from keras_safe_dist import SafeDistributedModel
+
 from conftest import regression_data
 from conftest import relative_error
 from conftest import strategy_for
-
-from keras_safe_dist import SafeDistributedModel
 
 TOLERANCE = 1e-5
 

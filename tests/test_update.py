@@ -4,12 +4,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import regression_data
-from conftest import relative_error
-from conftest import strategy_for
 from tensorflow.python.distribute import distribute_lib
 
 from keras_safe_dist import SafeDistributedModel
+
+from conftest import regression_data
+from conftest import relative_error
+from conftest import strategy_for
 
 TOLERANCE = 1e-5
 

@@ -1,0 +1,105 @@
+"""Fails loudly when a Keras release changes a private API keras_safe_dist relies on."""
+
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.tensorflow import optimizer as tf_optimizer
+from keras.src.backend.tensorflow import trainer as tf_trainer
+
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist import _compat
+
+from conftest import strategy_for
+
+
+def parameters(function):
+    return list(inspect.signature(function).parameters)
+
+
+def test_loss_reduction_helpers_keep_their_signatures():
+    assert parameters(_compat.reduce_weighted_values) == ["values", "sample_weight", "mask", "reduction", "dtype"]
+    assert parameters(_compat.apply_mask) == ["sample_weight", "mask", "dtype", "reduction"]
+    assert parameters(_compat.squeeze_or_expand_to_same_rank)[:2] == ["x1", "x2"]
+    values = keras.ops.convert_to_tensor([[1.0, 2.0], [3.0, 4.0]])
+    total = _compat.reduce_weighted_values(values, None, None, "sum", "float32")
+    assert float(total) == 10.0
+
+
+def test_compile_loss_flat_losses_can_be_swapped():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(loss="mse", loss_weights=3.0)
+    compiled = _compat.compile_loss(model)
+    y = np.ones((4, 1), "float32")
+    compiled(y, y)
+    assert compiled._flat_losses[0]._fields == ("path", "loss", "loss_weights", "name")
+    with _compat.swapped_loss_functions(compiled, lambda i, fn, w: lambda *a: keras.ops.convert_to_tensor(5.0)):
+        assert float(compiled(y, y)) == 15.0
+    assert float(compiled(y, y)) == 0.0
+
+
+def test_loss_tracker_is_the_logged_mean():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(loss="mse")
+    tracker = _compat.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean)
+    assert tracker.name == "loss"
+    assert model.metrics[0] is tracker
+
+
+def test_compute_loss_override_is_detected():
+    class Custom(SafeDistributedModel):
+        def compute_loss(self, *args, **kwargs):
+            return 0.0
+
+    assert not _compat.compute_loss_is_overridden(SafeDistributedModel())
+    assert _compat.compute_loss_is_overridden(Custom())
+
+
+def test_keras_mask_is_read_from_tensors():
+    embedded = keras.layers.Embedding(5, 2, mask_zero=True)(np.array([[0, 1]]))
+    np.testing.assert_array_equal(_compat.keras_mask(embedded).numpy(), [[False, True]])
+    assert _compat.keras_mask(tf.ones(2)) is None
+
+
+def test_optimizer_skips_its_all_reduce_when_told():
+    source = inspect.getsource(tf_optimizer.TFOptimizer._backend_update_step)
+    assert "self._all_reduce_sum_gradients(" in source
+    strategy = strategy_for(2)
+    with strategy.scope():
+        variable = keras.Variable(np.zeros(2, "float32"))
+        optimizer = keras.optimizers.SGD(1.0)
+        optimizer.build([variable])
+
+    @tf.function
+    def step(reduced):
+        def apply():
+            optimizer.apply([tf.constant([1.0, 2.0])], [variable])
+
+        if reduced:
+            with _compat.gradients_already_reduced(optimizer):
+                strategy.extended.call_for_each_replica(apply)
+        else:
+            strategy.extended.call_for_each_replica(apply)
+
+    with strategy.scope():
+        step(False)
+        np.testing.assert_allclose(variable.numpy(), [-2.0, -4.0])
+        step(True)
+        np.testing.assert_allclose(variable.numpy(), [-3.0, -6.0])
+    assert "_all_reduce_sum_gradients" not in vars(optimizer)
+
+
+def test_trainer_hooks_exist_and_fit_calls_them():
+    assert parameters(tf_trainer.TensorFlowTrainer._maybe_symbolic_build) == ["self", "iterator", "data_batch"]
+    assert "data_batch" in parameters(keras.Model._symbolic_build)
+    assert parameters(keras.Model._get_metrics_result_or_logs) == ["self", "logs"]
+    fit = inspect.getsource(tf_trainer.TensorFlowTrainer.fit)
+    assert "self._maybe_symbolic_build(iterator=epoch_iterator)" in fit
+    assert "self._get_metrics_result_or_logs(logs)" in fit
+    assert issubclass(_compat.Functional, keras.Model)
+    inputs = keras.Input((1,))
+    assert type(keras.Model(inputs=inputs, outputs=inputs)) is _compat.Functional

@@ -1,0 +1,95 @@
+"""Splitting compiled losses into exact numerators and denominators."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_safe_dist import SafeDistributedModel
+
+from conftest import regression_data
+from conftest import relative_error
+from conftest import strategy_for
+
+
+def two_outputs():
+    inputs = keras.Input((4,))
+    return SafeDistributedModel(
+        inputs, {"a": keras.layers.Dense(1, name="a")(inputs), "b": keras.layers.Dense(1, name="b")(inputs)}
+    )
+
+
+def test_masked_sequence_loss_matches_one_big_batch(replicas):
+    rng = np.random.default_rng(6)
+    x = rng.integers(1, 9, size=(30, 5))
+    x[:, 3:] = 0
+    x[::4, 1:] = 0
+    y = rng.normal(size=(30, 5, 1)).astype("float32")
+
+    def build(cls):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((5,), dtype="int32")
+        embedded = keras.layers.Embedding(9, 3, mask_zero=True)(inputs)
+        return cls(inputs, keras.layers.Dense(1)(embedded))
+
+    stock = build(keras.Model)
+    stock.compile(optimizer=keras.optimizers.SGD(0.3), loss="mse")
+    with strategy_for(replicas).scope():
+        model = build(SafeDistributedModel)
+        model.gradient_accumulation_steps = 2
+        model.compile(optimizer=keras.optimizers.SGD(0.3), loss="mse")
+    stock.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(stock.get_weights(), model.get_weights()) < 1e-5
+
+
+def test_unreduced_loss_is_refused():
+    x, y, _ = regression_data(8)
+    inputs = keras.Input((4,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction=None))
+    with pytest.raises(ValueError, match="Received: loss 'mean_squared_error' with reduction=None"):
+        model.fit(x, y, verbose=0)
+
+
+def test_mixed_multi_output_reductions_are_refused():
+    x, y, _ = regression_data(8)
+    model = two_outputs()
+    model.compile(
+        optimizer="sgd",
+        loss={"a": "mse", "b": keras.losses.MeanSquaredError(reduction="sum")},
+    )
+    with pytest.raises(ValueError) as error:
+        model.fit(x, {"a": y, "b": y}, verbose=0)
+    assert "cannot accumulate this multi-output loss exactly" in str(error.value)
+    assert "reduction='sum'" in str(error.value)
+
+
+def test_loss_overriding_call_dunder_is_refused():
+    class Odd(keras.losses.Loss):
+        def __call__(self, y_true, y_pred, sample_weight=None):
+            return keras.ops.mean(y_pred)
+
+    x, y, _ = regression_data(8)
+    inputs = keras.Input((4,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss=Odd())
+    with pytest.raises(TypeError, match="does not override `__call__`"):
+        model.fit(x, y, verbose=0)
+
+
+def test_add_loss_only_model_trains():
+    class Penalised(SafeDistributedModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            outputs = self.dense(inputs)
+            self.add_loss(keras.ops.mean(outputs**2))
+            return outputs
+
+    x, _, _ = regression_data(16)
+    model = Penalised()
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    history = model.fit(x, epochs=3, batch_size=8, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
