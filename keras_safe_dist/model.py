@@ -139,6 +139,16 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         _check_optimizer(optimizer)
         super().compile(optimizer, *args, **kwargs)
         replicas = self.distribute_strategy.num_replicas_in_sync
+        if replicas > 1 and self.jit_compile:
+            if kwargs.get("jit_compile", "auto") is True:
+                raise ValueError(
+                    "SafeDistributedModel cannot compile its step with XLA on "
+                    "several replicas: the cross-replica update (a merge_call) "
+                    "is not supported inside XLA. Received: jit_compile=True "
+                    f"with {replicas} replicas. Use jit_compile=False or "
+                    "'auto', or train on one replica."
+                )
+            self.jit_compile = False
         if self.steps_per_execution > 1 and replicas > 1:
             raise ValueError(
                 "SafeDistributedModel supports `steps_per_execution` > 1 only "

@@ -79,6 +79,15 @@ def test_steps_per_execution_with_two_replicas_is_refused():
             model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
 
 
+def test_jit_compile_with_two_replicas_is_refused_and_auto_turns_off():
+    with strategy_for(2).scope():
+        model = functional()
+        with pytest.raises(ValueError, match="Received: jit_compile=True with 2 replicas"):
+            model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        model.compile(optimizer="sgd", loss="mse")
+    assert model.jit_compile is False
+
+
 def test_overridden_compute_loss_is_refused():
     class Custom(TwoLayer):
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
