@@ -29,9 +29,7 @@ import tensorflow as tf
 
 # Two logical CPUs for the 2-replica runs; must precede any other TF use.
 _CPU = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _CPU, [tf.config.LogicalDeviceConfiguration()] * 2
-)
+tf.config.set_logical_device_configuration(_CPU, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
 
@@ -160,8 +158,14 @@ def memory_worker(config, micro_batch, samples):
 
 def _run_worker(config, micro_batch, samples):
     command = [
-        sys.executable, os.path.abspath(__file__), "--memory-worker", config,
-        "--memory-batch", str(micro_batch), "--memory-samples", str(samples),
+        sys.executable,
+        os.path.abspath(__file__),
+        "--memory-worker",
+        config,
+        "--memory-batch",
+        str(micro_batch),
+        "--memory-samples",
+        str(samples),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -177,9 +181,7 @@ def bench_memory(micro_batch, samples, runs):
     results = {}
     for config in MEMORY_CONFIGS:
         figures = [_run_worker(config, micro_batch, samples) for _ in range(runs)]
-        results[config] = {
-            key: statistics.median(f[key] for f in figures) for key in figures[0]
-        }
+        results[config] = {key: statistics.median(f[key] for f in figures) for key in figures[0]}
         peaks = [f["peak_growth"] for f in figures]
         results[config]["peak_growth_range"] = [min(peaks), max(peaks)]
     param_bytes = results["stock(m)"]["param_bytes"]
@@ -203,13 +205,16 @@ def _print_report(report):
     print(
         f"{'setting':<12}{'stock ms':>10}{'safe ms':>10}{'ratio of medians':>18}"
         f"{'median paired ratio':>21}{'stock min':>11}{'safe min':>10}"
+        f"{'extra ms/step':>15}"
     )
+    steps = -(-setup["speed_samples"] // setup["speed_batch"])
     for setting, row in speed.items():
         print(
             f"{setting:<12}{row['stock_s'] * 1e3:>10.1f}{row['safe_s'] * 1e3:>10.1f}"
             f"{row['ratio_of_medians']:>18.3f}{row['median_paired_ratio']:>21.3f}"
             f"{min(row['stock_all_s']) * 1e3:>11.1f}"
             f"{min(row['safe_all_s']) * 1e3:>10.1f}"
+            f"{(row['safe_s'] - row['stock_s']) * 1e3 / steps:>15.3f}"
         )
     print()
     print(
@@ -217,14 +222,18 @@ def _print_report(report):
         f"on 64x64x3, {setup['memory_samples']} samples, m={setup['memory_batch']}, "
         f"median of {setup['memory_runs']} fresh processes (MiB)"
     )
-    print(f"{'config':<14}{'batch':>6}{'peak growth':>13}{'(min-max)':>16}"
-          f"{'retained':>10}{'RSS HWM growth':>16}")
+    print(
+        f"{'config':<14}{'batch':>6}{'peak growth':>13}{'(min-max)':>16}"
+        f"{'retained':>10}{'RSS HWM growth':>16}"
+    )
     for config, row in memory["configs"].items():
         low, high = (v / MIB for v in row["peak_growth_range"])
         batch = MEMORY_CONFIGS[config][0] * setup["memory_batch"]
-        print(f"{config:<14}{batch:>6}{row['peak_growth'] / MIB:>13.2f}"
-              f"{f'({low:.2f}-{high:.2f})':>16}{row['retained'] / MIB:>10.2f}"
-              f"{row['rss_hwm_growth'] / MIB:>16.2f}")
+        print(
+            f"{config:<14}{batch:>6}{row['peak_growth'] / MIB:>13.2f}"
+            f"{f'({low:.2f}-{high:.2f})':>16}{row['retained'] / MIB:>10.2f}"
+            f"{row['rss_hwm_growth'] / MIB:>16.2f}"
+        )
     verdict = "yes" if memory["within_one_param_copy"] else "NO"
     print(
         f"one copy of trainable params: {memory['param_bytes'] / MIB:.2f} MiB; "
@@ -252,7 +261,7 @@ def main(argv=None):
         "speed_batch": 256,
         "memory_batch": 16 if args.quick else 32,
         "memory_samples": 128 if args.quick else 256,
-        "memory_runs": 1 if args.quick else 3,
+        "memory_runs": 1 if args.quick else 5,
     }
     if setup["repeats"] < 1:
         parser.error(f"--repeats must be >= 1. Received: --repeats={setup['repeats']}")

@@ -46,41 +46,34 @@ class UpdateEngine:
                 for v in (model.trainable_weights if self.steps > 1 else [])
             ]
             # numerator, denominator and samples of the pending group
-            self.group_totals = self._local(tf.zeros([3]))
-            self.group_size = self._mirrored(0, tf.int64)
-            self.epoch_step = self._mirrored(0, tf.int64)
-            self.steps_per_epoch = self._mirrored(-1, tf.int64)
-            self.updates_in_epoch = self._mirrored(0.0)
-            self.clipped_in_epoch = self._mirrored(0.0)
-            self.skipped_updates = self._mirrored(0.0)
-            self.grad_norm = self._mirrored(0.0)
-            self.samples_per_update = self._mirrored(0.0)
+            self.group_totals = tf.Variable(
+                tf.zeros([3]),
+                trainable=False,
+                synchronization=_ON_READ,
+                aggregation=_SUM,
+            )
+            # micro-batches in the pending group, micro-batches seen this
+            # epoch, micro-batches per epoch (-1: unknown)
+            self.counters = self._mirrored([0, 0, -1], tf.int64)
+            # see _STATS
+            self.stats = self._mirrored([0.0] * len(_STATS), tf.float32)
         self.flush_function = tf.function(self._flush)
 
-    def _local(self, value):
-        return tf.Variable(
-            value, trainable=False, synchronization=_ON_READ, aggregation=_SUM
-        )
-
-    def _mirrored(self, value, dtype=tf.float32):
+    def _mirrored(self, value, dtype):
         return tf.Variable(
             tf.constant(value, dtype), trainable=False, aggregation=_FIRST
         )
 
-    # Host-side bookkeeping, a few variable writes per epoch.
+    # Host-side bookkeeping: a few eager variable writes per epoch, no reads.
 
     def begin_fit(self):
-        for acc in self.accumulators:
-            acc.assign(tf.zeros_like(acc))
-        self.group_totals.assign(tf.zeros([3]))
-        self.group_size.assign(0)
-        self.skipped_updates.assign(0.0)
+        self.counters.assign([0, 0, -1])
+        self.stats.assign(tf.zeros([len(_STATS)]))
 
     def begin_epoch(self, steps):
-        self.steps_per_epoch.assign(-1 if steps is None else int(steps))
-        self.epoch_step.assign(0)
-        self.updates_in_epoch.assign(0.0)
-        self.clipped_in_epoch.assign(0.0)
+        steps = -1 if steps is None else int(steps)
+        self.counters.assign(self.counters * [1, 0, 0] + [0, 0, steps])
+        self.stats.assign(self.stats * _KEPT_ACROSS_EPOCHS)
 
     def flush(self):
         """Applies a partially filled group; returns whether one was pending."""
@@ -90,20 +83,21 @@ class UpdateEngine:
             return bool(self.flush_function())
 
     def _flush(self):
-        pending = self.group_size > 0
+        pending = self.counters[0] > 0
         tf.cond(pending, self._update_from_accumulators, _nothing)
         return pending
 
     def logs(self):
-        """The values this engine adds to each step's logs (replica context)."""
+        """The values this engine adds to each step's logs."""
+        stats = self.stats.read_value()
         return {
-            "grad_norm": self.grad_norm.read_value(),
+            "grad_norm": stats[_STATS.index("grad_norm")],
             "clip_rate": tf.math.divide_no_nan(
-                self.clipped_in_epoch.read_value(),
-                self.updates_in_epoch.read_value(),
+                stats[_STATS.index("clipped_in_epoch")],
+                stats[_STATS.index("updates_in_epoch")],
             ),
-            "skipped_updates": self.skipped_updates.read_value(),
-            "samples_per_update": self.samples_per_update.read_value(),
+            "skipped_updates": stats[_STATS.index("skipped_updates")],
+            "samples_per_update": stats[_STATS.index("samples_per_update")],
         }
 
     # In-graph logic.
@@ -123,9 +117,20 @@ class UpdateEngine:
         if self.steps == 1:
             context.merge_call(self._update_now, args=(grads, totals))
             return
-        for acc, g in zip(self.accumulators, grads):
-            acc.assign_add(g)
-        self.group_totals.assign_add(totals)
+
+        # The first micro-batch of a group overwrites the accumulators, so
+        # they never need zeroing (a zeros constant the size of the model).
+        def start():
+            for acc, g in zip(self.accumulators, grads):
+                acc.assign(g)
+            self.group_totals.assign(totals)
+
+        def add():
+            for acc, g in zip(self.accumulators, grads):
+                acc.assign_add(g)
+            self.group_totals.assign_add(totals)
+
+        tf.cond(tf.equal(self.counters[0], 0), start, add)
         context.merge_call(self._maybe_update)
 
     def _update_now(self, strategy, grads, totals):
@@ -135,28 +140,21 @@ class UpdateEngine:
         self._apply_or_skip(strategy, *prepared)
 
     def _maybe_update(self, strategy):
-        size = self.group_size.assign_add(1)
-        step = self.epoch_step.assign_add(1)
+        group, step, steps_per_epoch = tf.unstack(self.counters.assign_add([1, 1, 0]))
         complete = tf.logical_or(
-            tf.greater_equal(size, self.steps),
-            tf.equal(step, self.steps_per_epoch.read_value()),
+            tf.greater_equal(group, self.steps), tf.equal(step, steps_per_epoch)
         )
         tf.cond(complete, self._update_from_accumulators, _nothing)
 
     def _update_from_accumulators(self):
         strategy = self.strategy
-        prepared = strategy.extended.call_for_each_replica(self._read_and_reset)
+        prepared = strategy.extended.call_for_each_replica(self._read)
         self._apply_or_skip(strategy, *prepared)
-        self.group_size.assign(0)
+        self.counters.assign(self.counters * [0, 1, 1])
 
-    def _read_and_reset(self):
+    def _read(self):
         grads = [acc.read_value() for acc in self.accumulators]
-        totals = self.group_totals.read_value()
-        with tf.control_dependencies(grads + [totals]):
-            for acc in self.accumulators:
-                acc.assign(tf.zeros_like(acc))
-            self.group_totals.assign(tf.zeros([3]))
-        return self._reduce(grads, totals)
+        return self._reduce(grads, self.group_totals.read_value())
 
     def _reduce(self, grads, totals):
         """Replica context: the one all-reduce, then normalization and clipping."""
@@ -173,10 +171,10 @@ class UpdateEngine:
             scale = tf.cast(self.loss_scale.dynamic_scale, grads[0].dtype)
             grads = [g / scale for g in grads]
         grads, loss = self._add_weight_regularization(grads, loss)
-        finite = tf.math.is_finite(loss)
-        for g in grads:
-            finite = tf.logical_and(finite, tf.reduce_all(tf.math.is_finite(g)))
         norm = tf.linalg.global_norm(grads)
+        # The norm is finite only if every gradient element is (a norm that
+        # overflows float32 also counts as non-finite).
+        finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(loss))
         grads, clipped = self._clip(grads, norm)
         return grads, (finite, norm, clipped, samples)
 
@@ -213,8 +211,6 @@ class UpdateEngine:
         finite, norm, clipped, samples = (
             strategy.experimental_local_results(s)[0] for s in stats
         )
-        must_skip = self.model.skip_nonfinite or self.loss_scale is not None
-        apply = tf.logical_or(finite, not must_skip)
 
         def apply_update():
             optimizer = self.loss_scale.inner_optimizer if self.loss_scale else self.model.optimizer
@@ -224,21 +220,41 @@ class UpdateEngine:
                 )
             if self.loss_scale is not None:
                 _grow_loss_scale(self.loss_scale)
-            self.updates_in_epoch.assign_add(1.0)
-            self.clipped_in_epoch.assign_add(tf.cast(clipped, tf.float32))
+            return tf.constant(1.0)
 
         def skip_update():
             if self.loss_scale is not None:
                 self.loss_scale.step_counter.assign(0)
                 self.loss_scale.dynamic_scale.assign(self.loss_scale.dynamic_scale * 0.5)
-            self.skipped_updates.assign_add(1.0)
+            return tf.constant(0.0)
 
-        tf.cond(apply, apply_update, skip_update)
-        self.grad_norm.assign(norm)
-        self.samples_per_update.assign(samples)
+        if self.model.skip_nonfinite or self.loss_scale is not None:
+            applied = tf.cond(finite, apply_update, skip_update)
+        else:
+            applied = apply_update()
+        old = tf.unstack(self.stats.read_value())
+        new = dict(zip(_STATS, old))
+        new.update(
+            grad_norm=norm,
+            samples_per_update=samples,
+            updates_in_epoch=new["updates_in_epoch"] + applied,
+            clipped_in_epoch=new["clipped_in_epoch"] + applied * tf.cast(clipped, tf.float32),
+            skipped_updates=new["skipped_updates"] + (1.0 - applied),
+        )
+        self.stats.assign(tf.stack([new[name] for name in _STATS]))
 
     def _apply_gradients(self, optimizer, grads):
         optimizer.apply(list(grads), self.model.trainable_weights)
+
+
+_STATS = (
+    "grad_norm",
+    "samples_per_update",
+    "updates_in_epoch",
+    "clipped_in_epoch",
+    "skipped_updates",
+)
+_KEPT_ACROSS_EPOCHS = [1.0, 1.0, 0.0, 0.0, 1.0]
 
 
 def _grow_loss_scale(optimizer):
