@@ -56,55 +56,75 @@ def _compile(model):
     return model
 
 
-def _mlp(model_class, strategy):
+# name: (input features, hidden width, samples, batch size)
+SPEED_MODELS = {
+    "small MLP": (32, 256, 8192, 256),
+    "medium MLP": (256, 1024, 4096, 256),
+}
+
+
+def _mlp(model_class, strategy, features, width):
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        inputs = keras.Input((32,))
-        hidden = keras.layers.Dense(256, activation="relu")(inputs)
-        hidden = keras.layers.Dense(256, activation="relu")(hidden)
+        inputs = keras.Input((features,))
+        hidden = keras.layers.Dense(width, activation="relu")(inputs)
+        hidden = keras.layers.Dense(width, activation="relu")(hidden)
         outputs = keras.layers.Dense(10)(hidden)
         return _compile(model_class(inputs, outputs))
 
 
+EPOCHS_PER_TIMING = 3
+
+
 def _timed_epoch(model, dataset):
+    """Seconds per epoch, averaged over one fit() of a few epochs."""
     start = time.perf_counter()
-    model.fit(dataset, epochs=1, verbose=0, shuffle=False)
-    return time.perf_counter() - start
+    model.fit(dataset, epochs=EPOCHS_PER_TIMING, verbose=0, shuffle=False)
+    return (time.perf_counter() - start) / EPOCHS_PER_TIMING
 
 
-def bench_speed(samples, batch_size, repeats):
-    """Median epoch seconds of stock and safe, per setting."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(samples, 32)).astype("float32")
-    y = rng.integers(0, 10, size=samples).astype("int32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+def bench_speed(repeats, quick):
+    """Median epoch seconds of stock and safe, per model and setting."""
     settings = {
         "1 device": tf.distribute.get_strategy(),
+        # One MirroredStrategy per process: instances over the same devices
+        # can collide on collective keys.
         "2 replicas": tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
     }
     results = {}
-    for setting, strategy in settings.items():
-        models = {
-            "stock": _mlp(keras.Model, strategy),
-            "safe": _mlp(SafeDistributedModel, strategy),
-        }
-        for model in models.values():
-            _timed_epoch(model, dataset)  # warm-up: tracing and building
-        times = {name: [] for name in models}
-        for repeat in range(repeats):
-            order = list(models) if repeat % 2 == 0 else list(models)[::-1]
-            for name in order:
-                times[name].append(_timed_epoch(models[name], dataset))
-        stock, safe = statistics.median(times["stock"]), statistics.median(times["safe"])
-        paired = [s / k for s, k in zip(times["safe"], times["stock"])]
-        results[setting] = {
-            "stock_s": stock,
-            "safe_s": safe,
-            "ratio_of_medians": safe / stock,
-            "median_paired_ratio": statistics.median(paired),
-            "stock_all_s": times["stock"],
-            "safe_all_s": times["safe"],
-        }
+    for model_name, (features, width, samples, batch_size) in SPEED_MODELS.items():
+        samples = samples // 2 if quick else samples
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(samples, features)).astype("float32")
+        y = rng.integers(0, 10, size=samples).astype("int32")
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+        for setting, strategy in settings.items():
+            models = {
+                "stock": _mlp(keras.Model, strategy, features, width),
+                "safe": _mlp(SafeDistributedModel, strategy, features, width),
+            }
+            for model in models.values():
+                _timed_epoch(model, dataset)  # warm-up: tracing and building
+            times = {name: [] for name in models}
+            for repeat in range(repeats):
+                order = list(models) if repeat % 2 == 0 else list(models)[::-1]
+                for name in order:
+                    times[name].append(_timed_epoch(models[name], dataset))
+            stock = statistics.median(times["stock"])
+            safe = statistics.median(times["safe"])
+            paired = [s / k for s, k in zip(times["safe"], times["stock"])]
+            results[f"{model_name}, {setting}"] = {
+                "model": f"{features}-{width}-{width}-10",
+                "samples": samples,
+                "batch": batch_size,
+                "steps": -(-samples // batch_size),
+                "stock_s": stock,
+                "safe_s": safe,
+                "ratio_of_medians": safe / stock,
+                "median_paired_ratio": statistics.median(paired),
+                "stock_all_s": times["stock"],
+                "safe_all_s": times["safe"],
+            }
     return results
 
 
@@ -198,23 +218,20 @@ def bench_memory(micro_batch, samples, runs):
 def _print_report(report):
     speed, memory, setup = report["speed"], report["memory"], report["setup"]
     print(
-        f"Speed: median fit() epoch over {setup['repeats']} interleaved repeats; "
-        f"MLP 32-256-256-10, {setup['speed_samples']} samples, batch "
-        f"{setup['speed_batch']}, Adam, no clipping, gradient_accumulation_steps=1"
+        f"Speed: median epoch over {setup['repeats']} interleaved fit() calls of "
+        f"{EPOCHS_PER_TIMING} epochs; "
+        "Adam, no clipping, gradient_accumulation_steps=1"
     )
     print(
-        f"{'setting':<12}{'stock ms':>10}{'safe ms':>10}{'ratio of medians':>18}"
-        f"{'median paired ratio':>21}{'stock min':>11}{'safe min':>10}"
-        f"{'extra ms/step':>15}"
+        f"{'setting':<26}{'model':>16}{'stock ms':>10}{'safe ms':>10}"
+        f"{'ratio of medians':>18}{'median paired ratio':>21}{'extra ms/step':>15}"
     )
-    steps = -(-setup["speed_samples"] // setup["speed_batch"])
     for setting, row in speed.items():
         print(
-            f"{setting:<12}{row['stock_s'] * 1e3:>10.1f}{row['safe_s'] * 1e3:>10.1f}"
-            f"{row['ratio_of_medians']:>18.3f}{row['median_paired_ratio']:>21.3f}"
-            f"{min(row['stock_all_s']) * 1e3:>11.1f}"
-            f"{min(row['safe_all_s']) * 1e3:>10.1f}"
-            f"{(row['safe_s'] - row['stock_s']) * 1e3 / steps:>15.3f}"
+            f"{setting:<26}{row['model']:>16}{row['stock_s'] * 1e3:>10.1f}"
+            f"{row['safe_s'] * 1e3:>10.1f}{row['ratio_of_medians']:>18.3f}"
+            f"{row['median_paired_ratio']:>21.3f}"
+            f"{(row['safe_s'] - row['stock_s']) * 1e3 / row['steps']:>15.3f}"
         )
     print()
     print(
@@ -256,9 +273,7 @@ def main(argv=None):
         print(json.dumps(figures))
         return
     setup = {
-        "repeats": args.repeats or (3 if args.quick else 7),
-        "speed_samples": 4096 if args.quick else 8192,
-        "speed_batch": 256,
+        "repeats": args.repeats or (3 if args.quick else 9),
         "memory_batch": 16 if args.quick else 32,
         "memory_samples": 128 if args.quick else 256,
         "memory_runs": 1 if args.quick else 5,
@@ -268,7 +283,7 @@ def main(argv=None):
     report = {
         "setup": setup,
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
-        "speed": bench_speed(setup["speed_samples"], setup["speed_batch"], setup["repeats"]),
+        "speed": bench_speed(setup["repeats"], args.quick),
         "memory": bench_memory(
             setup["memory_batch"], setup["memory_samples"], setup["memory_runs"]
         ),

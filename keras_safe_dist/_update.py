@@ -102,6 +102,26 @@ class UpdateEngine:
 
     # In-graph logic.
 
+    def objective(self, micro):
+        """Replica context: the scalar to differentiate for this micro-batch.
+
+        Without accumulation the update's denominator is known before the
+        backward pass (one scalar all-reduce), so the loss is divided there
+        and the gradients need no division after their all-reduce. Returns
+        the micro-batch loss, divided in that case, and the objective.
+        """
+        if self.steps == 1 and micro.denominator is not None:
+            context = tf.distribute.get_replica_context()
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, micro.denominator)
+            micro = micro._replace(
+                numerator=tf.math.divide_no_nan(micro.numerator, total),
+                denominator=None,
+            )
+        objective = micro.numerator
+        if self.loss_scale is not None:
+            objective = self.loss_scale.scale_loss(objective)
+        return micro, objective
+
     def after_micro_batch(self, grads, micro):
         """Called in replica context once the micro-batch gradient is known."""
         self.normalized = micro.denominator is not None

@@ -200,11 +200,9 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
-            objective = micro.numerator
-            if self._update_engine.loss_scale is not None:
-                objective = self.optimizer.scale_loss(objective)
+            contribution, objective = self._update_engine.objective(micro)
         grads = tape.gradient(objective, self.trainable_weights)
-        self._update_engine.after_micro_batch(grads, micro)
+        self._update_engine.after_micro_batch(grads, contribution)
         self._track_loss(micro)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs.update(self._update_engine.logs())
