@@ -223,3 +223,19 @@ def test_first_batch_split_unevenly_trains():
     reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
+def test_activity_regularizer_matches_one_big_batch(replicas):
+    # Keras divides activity penalties by the batch size, so weighting each
+    # micro-batch's penalty by its share of the samples is exact.
+    x, y, _ = regression_data(45)
+
+    def build():
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(3, activity_regularizer=keras.regularizers.L2(0.5))(inputs)
+        return inputs, keras.layers.Dense(1)(hidden)
+
+    reference, model = twins(replicas, build, sgd_mse, gradient_accumulation_steps=3)
+    reference.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
