@@ -35,6 +35,15 @@ def twins(replicas, build, compile_kwargs, **options):
     return reference, model
 
 
+def assert_matches_big_batch(reference, model, x, y, batch, steps, **fit_kwargs):
+    """Fits the reference with one batch per group and the model with micro-batches."""
+    fit_kwargs = dict(epochs=2, shuffle=False, verbose=0, **fit_kwargs)
+    reference.fit(x, y, batch_size=batch * steps, **fit_kwargs)
+    history = model.fit(x, y, batch_size=batch, **fit_kwargs)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    return history
+
+
 def sgd_mse():
     return dict(optimizer=keras.optimizers.SGD(0.1), loss="mse")
 
@@ -101,9 +110,7 @@ def test_class_weight_matches_one_big_batch(replicas):
         )
 
     reference, model = twins(replicas, build, compile_kwargs, gradient_accumulation_steps=2)
-    reference.fit(x, y, class_weight=class_weight, batch_size=24, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, y, class_weight=class_weight, batch_size=12, epochs=2, shuffle=False, verbose=0)
-    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    assert_matches_big_batch(reference, model, x, y, 12, 2, class_weight=class_weight)
 
 
 def test_multiple_outputs_with_loss_weights(replicas):
@@ -129,9 +136,7 @@ def test_multiple_outputs_with_loss_weights(replicas):
 
     targets = {"reg": y_reg, "cls": y_cls}
     reference, model = twins(replicas, build, compile_kwargs, gradient_accumulation_steps=3)
-    reference.fit(x, targets, batch_size=30, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, targets, batch_size=10, epochs=2, shuffle=False, verbose=0)
-    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    assert_matches_big_batch(reference, model, x, targets, 10, 3)
 
 
 def test_weight_regularizer_counted_once_per_update(replicas):
@@ -142,9 +147,7 @@ def test_weight_regularizer_counted_once_per_update(replicas):
         return inputs, mlp(inputs, keras.regularizers.L2(0.3))
 
     reference, model = twins(replicas, build, sgd_mse, gradient_accumulation_steps=3)
-    reference.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
-    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    assert_matches_big_batch(reference, model, x, y, 10, 3)
 
 
 def test_embedding_sparse_gradients(replicas):
@@ -159,9 +162,7 @@ def test_embedding_sparse_gradients(replicas):
         return inputs, keras.layers.Dense(1)(flat)
 
     reference, model = twins(replicas, build, sgd_mse, gradient_accumulation_steps=2)
-    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    assert_matches_big_batch(reference, model, x, y, 8, 2)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
@@ -175,9 +176,7 @@ def test_other_loss_reductions(replicas, reduction):
         )
 
     reference, model = twins(replicas, simple, compile_kwargs, gradient_accumulation_steps=2)
-    reference.fit(x, y, sample_weight=w, batch_size=20, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, y, sample_weight=w, batch_size=10, epochs=2, shuffle=False, verbose=0)
-    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    assert_matches_big_batch(reference, model, x, y, 10, 2, sample_weight=w)
 
 
 def test_dataset_of_unknown_length_applies_partial_group_at_epoch_end(replicas):
@@ -200,9 +199,7 @@ def test_steps_per_execution_on_one_replica():
         return dict(sgd_mse(), steps_per_execution=2)
 
     reference, model = twins(1, simple, compile_kwargs, gradient_accumulation_steps=3)
-    reference.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    assert_matches_big_batch(reference, model, x, y, 8, 3)
 
 
 def test_logged_loss_is_exact_sample_weighted_mean():
@@ -236,6 +233,4 @@ def test_activity_regularizer_matches_one_big_batch(replicas):
         return inputs, keras.layers.Dense(1)(hidden)
 
     reference, model = twins(replicas, build, sgd_mse, gradient_accumulation_steps=3)
-    reference.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
-    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    assert_matches_big_batch(reference, model, x, y, 10, 3)
