@@ -6,6 +6,7 @@ training silently.
 """
 
 import contextlib
+import os
 
 import keras
 import tensorflow as tf
@@ -81,6 +82,19 @@ def keras_mask(tensor):
     """Returns the Keras mask attached to `tensor`, or None."""
     return _keras_backend.get_keras_mask(tensor)
 
+
+
+def redirect_backup(callback, directory):
+    """Points a `keras.callbacks.BackupAndRestore` at another directory."""
+    callback.backup_dir = directory
+    callback._weights_path = os.path.join(directory, "latest.weights.h5")
+    callback._training_metadata_path = os.path.join(
+        directory, "training_metadata.json"
+    )
+    callback._prev_weights_path = f"{callback._weights_path}.bkp"
+    callback._prev_training_metadata_path = (
+        f"{callback._training_metadata_path}.bkp"
+    )
 
 
 class TrainerOverrides:

@@ -206,6 +206,11 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._track_loss(micro)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs.update(self._update_engine.logs())
+        if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            # Keras reduces step outputs across workers with
+            # `strategy.reduce("MEAN", value, axis=0)`, which needs rank >= 1;
+            # the reduced value is a scalar again.
+            logs = keras.tree.map_structure(lambda v: tf.reshape(v, [1]), logs)
         return logs
 
     def _update_log_names(self):

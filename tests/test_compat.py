@@ -103,3 +103,15 @@ def test_trainer_hooks_exist_and_fit_calls_them():
     assert issubclass(_compat.Functional, keras.Model)
     inputs = keras.Input((1,))
     assert type(keras.Model(inputs=inputs, outputs=inputs)) is _compat.Functional
+
+
+def test_backup_and_restore_paths_can_be_redirected(tmp_path):
+    callback = keras.callbacks.BackupAndRestore(str(tmp_path / "a"))
+    for name in ("_weights_path", "_training_metadata_path", "_prev_weights_path", "_prev_training_metadata_path"):
+        assert str(tmp_path / "a") in getattr(callback, name)
+    _compat.redirect_backup(callback, str(tmp_path / "b"))
+    assert callback.backup_dir == str(tmp_path / "b")
+    assert callback._weights_path == str(tmp_path / "b" / "latest.weights.h5")
+    assert callback._training_metadata_path == str(tmp_path / "b" / "training_metadata.json")
+    source = inspect.getsource(keras.callbacks.BackupAndRestore._save_model)
+    assert "self._weights_path" in source and "self._training_metadata_path" in source

@@ -1,0 +1,37 @@
+"""Who is who in a multi-worker cluster."""
+
+import tensorflow as tf
+
+
+def is_chief(strategy=None):
+    """Whether this process is the chief: the one that writes shared files.
+
+    The chief is the task of type `"chief"` if the cluster has one, otherwise
+    worker 0. Single-process strategies have only a chief.
+
+    Args:
+        strategy: a `tf.distribute.Strategy`; defaults to the current one.
+
+    Returns:
+        bool.
+    """
+    task_type, task_id, cluster = _task(strategy)
+    if task_type is None:
+        return True
+    if task_type == "chief":
+        return True
+    return task_type == "worker" and task_id == 0 and "chief" not in cluster
+
+
+def worker_name(strategy=None):
+    """`"<task type>_<index>"` in a cluster, `"chief"` in one process."""
+    task_type, task_id, _ = _task(strategy)
+    return "chief" if task_type is None else f"{task_type}_{task_id}"
+
+
+def _task(strategy):
+    strategy = strategy or tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.task_type:
+        return None, None, {}
+    return resolver.task_type, resolver.task_id, resolver.cluster_spec().as_dict()

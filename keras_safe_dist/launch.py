@@ -1,0 +1,176 @@
+"""Start a script as several local MultiWorkerMirroredStrategy workers.
+
+For local runs and tests only: every worker listens on 127.0.0.1. On a real
+cluster, give each machine its own `TF_CONFIG` (see the README).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_ports(count):
+    """`count` distinct TCP ports that are free on 127.0.0.1 right now."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def tf_config(ports, index):
+    """The `TF_CONFIG` of worker `index` in a cluster of local workers."""
+    return json.dumps(
+        {
+            "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
+            "task": {"type": "worker", "index": index},
+        }
+    )
+
+
+class WorkerGroup:
+    """Local worker processes of one cluster, started and stopped together.
+
+    Each worker runs `python script *args` with its own `TF_CONFIG`, in its
+    own process group. Output lines are passed to `on_line(index, line)`,
+    which by default prints them with a `[worker i]` prefix.
+
+    Args:
+        script: path of the Python script every worker runs. It must create
+            its `MultiWorkerMirroredStrategy` before any other TensorFlow op.
+        workers: number of workers, integer >= 1.
+        args: extra command-line arguments for the script.
+        env: extra environment variables for every worker.
+        on_line: called with (worker index, output line without newline).
+    """
+
+    def __init__(self, script, workers=2, args=(), env=None, on_line=None):
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(
+                f"`workers` must be an integer >= 1. Received: workers={workers!r}"
+            )
+        if not os.path.isfile(script):
+            raise FileNotFoundError(
+                f"No script to launch at {script!r}. Pass the path of a Python file."
+            )
+        self.script = script
+        self.workers = workers
+        self.args = [str(a) for a in args]
+        self.env = dict(env or {})
+        self.on_line = on_line or _print_line
+        self.processes = []
+        self.first_failure = None  # (worker index, exit code) of the first to fail
+        self._readers = []
+
+    def start(self):
+        ports = free_ports(self.workers)
+        for index in range(self.workers):
+            env = dict(os.environ, **self.env, TF_CONFIG=tf_config(ports, index))
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            process = subprocess.Popen(
+                [sys.executable, self.script, *self.args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            reader = threading.Thread(
+                target=self._read, args=(index, process), daemon=True
+            )
+            reader.start()
+            self.processes.append(process)
+            self._readers.append(reader)
+        return self
+
+    def _read(self, index, process):
+        for line in process.stdout:
+            self.on_line(index, line.rstrip("\n"))
+
+    def wait(self, timeout):
+        """Waits for every worker; kills the group if one fails or time runs out.
+
+        Returns:
+            The exit codes, one per worker; -9 for a killed worker.
+
+        Raises:
+            TimeoutError: when the workers did not all finish within
+                `timeout` seconds (they are killed first).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in self.processes]
+            if all(code is not None for code in codes):
+                break
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                self.first_failure = failed[0]
+                self.kill()
+                break
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(
+                    f"Workers still running after {timeout} s; killed them. "
+                    "A hung collective usually means one worker failed or "
+                    "was started late."
+                )
+            time.sleep(0.1)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return [p.wait() for p in self.processes]
+
+    def kill(self, index=None):
+        """Kills one worker's process group, or all of them."""
+        chosen = self.processes if index is None else [self.processes[index]]
+        for process in chosen:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for process in chosen:
+            process.wait()
+
+
+def launch(script, workers=2, args=(), timeout=600, env=None):
+    """Runs `script` as `workers` local workers and returns one exit status.
+
+    Returns:
+        0 when every worker succeeded, else the exit status of the first
+        worker that failed (the others are killed), or 124 when the timeout
+        killed them.
+    """
+    group = WorkerGroup(script, workers=workers, args=args, env=env).start()
+    try:
+        codes = group.wait(timeout)
+    except TimeoutError as error:
+        print(f"keras-safe-dist launch: {error}", file=sys.stderr)
+        return 124
+    if group.first_failure is not None:
+        index, code = group.first_failure
+        print(
+            f"keras-safe-dist launch: worker {index} exited with status {code}; "
+            "killed the other workers.",
+            file=sys.stderr,
+        )
+        return code
+    failed = [code for code in codes if code != 0]
+    return failed[0] if failed else 0
+
+
+_print_lock = threading.Lock()
+
+
+def _print_line(index, line):
+    with _print_lock:
+        print(f"[worker {index}] {line}", flush=True)

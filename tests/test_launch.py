@@ -1,0 +1,73 @@
+"""`keras-safe-dist launch`: ports, TF_CONFIG, prefixed output, failure and timeout handling."""
+
+import json
+
+import pytest
+
+from keras_safe_dist import cli
+from keras_safe_dist import is_chief
+from keras_safe_dist.launch import free_ports
+from keras_safe_dist.launch import tf_config
+
+from conftest import strategy_for
+
+
+def script(tmp_path, body):
+    path = tmp_path / "worker.py"
+    path.write_text("import json, os, sys, time\nindex = json.loads(os.environ['TF_CONFIG'])['task']['index']\n" + body)
+    return str(path)
+
+
+def test_free_ports_are_distinct_and_tf_config_names_loopback_only():
+    ports = free_ports(3)
+    assert len(set(ports)) == 3
+    config = json.loads(tf_config(ports, 2))
+    assert config["cluster"]["worker"] == [f"127.0.0.1:{p}" for p in ports]
+    assert config["task"] == {"type": "worker", "index": 2}
+
+
+def test_launch_prefixes_each_workers_output(tmp_path, capsys):
+    path = script(tmp_path, "print(f'hello from {index}')\n")
+    assert cli.main(["launch", "--workers", "3", path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == ["[worker 0] hello from 0", "[worker 1] hello from 1", "[worker 2] hello from 2"]
+
+
+def test_launch_passes_script_arguments(tmp_path, capsys):
+    path = script(tmp_path, "print(sys.argv[1:])\n")
+    assert cli.main(["launch", "--workers", "1", path, "--flag", "7"]) == 0
+    assert capsys.readouterr().out.strip() == "[worker 0] ['--flag', '7']"
+
+
+def test_one_failing_worker_kills_the_group(tmp_path, capsys):
+    path = script(tmp_path, "if index == 1:\n    sys.exit(3)\ntime.sleep(60)\n")
+    assert cli.main(["launch", "--workers", "2", "--timeout", "30", path]) == 3
+    assert "worker 1 exited with status 3; killed the other workers." in capsys.readouterr().err
+
+
+def test_timeout_kills_the_group(tmp_path, capsys):
+    path = script(tmp_path, "time.sleep(60)\n")
+    assert cli.main(["launch", "--workers", "2", "--timeout", "1", path]) == 124
+    assert "Workers still running after 1 s; killed them." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["launch", "--workers", "0", "x.py"], "argument --workers: expected an integer >= 1, received '0'"),
+    (["launch", "--timeout", "soon", "x.py"], "argument --timeout: expected an integer >= 1, received 'soon'"),
+    (["launch"], "the following arguments are required: script"),
+])
+def test_bad_arguments_exit_2_with_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_script_exits_2(tmp_path, capsys):
+    assert cli.main(["launch", str(tmp_path / "nope.py")]) == 2
+    assert "No script to launch at" in capsys.readouterr().err
+
+
+def test_single_process_strategies_are_chief():
+    assert is_chief(strategy_for(1)) is True
+    assert is_chief(strategy_for(2)) is True

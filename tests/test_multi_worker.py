@@ -1,0 +1,126 @@
+"""Two MultiWorkerMirroredStrategy workers on 127.0.0.1 (each test starts real processes)."""
+
+import json
+import pathlib
+import threading
+
+import keras
+import numpy as np
+import pytest
+
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.launch import WorkerGroup
+
+from conftest import relative_error
+from conftest import strategy_for
+
+WORKER = str(pathlib.Path(__file__).resolve().parent / "mw_worker.py")
+TIMEOUT = 240  # seconds; a hung collective fails the test instead of CI
+
+
+def worker_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(45, 4)).astype("float32")
+    return x, (x @ rng.normal(size=(4, 1)) + 0.1).astype("float32")
+
+
+def build(cls, **options):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, activation="tanh")(inputs)
+    return cls(inputs, keras.layers.Dense(1)(hidden), **options)
+
+
+def one_device_reference(epochs, steps, clipnorm=None):
+    """Stock Keras on one device, one batch per accumulation group."""
+    x, y = worker_data()
+    model = build(keras.Model)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=clipnorm), loss="mse")
+    model.fit(x, y, batch_size=10 * steps, epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def run_workers(args, on_line=None):
+    lines = []
+
+    def record(index, line):
+        lines.append((index, line))
+        if on_line is not None:
+            on_line(index, line)
+
+    group = WorkerGroup(WORKER, workers=2, args=args, on_line=record).start()
+    codes = group.wait(TIMEOUT)
+    results = {i: json.loads(line[len("RESULT "):]) for i, line in lines if line.startswith("RESULT ")}
+    return codes, results, lines
+
+
+def weights(result, inputs):
+    return [np.array(w, dtype="float32") for w in result[inputs]["weights"]]
+
+
+def test_two_workers_match_single_process_runs():
+    codes, results, lines = run_workers(["--steps", "2", "--clipnorm", "1.0", "--epochs", "2"])
+    assert codes == [0, 0], [line for _, line in lines][-20:]
+    assert results[0]["chief"] is True and results[1]["chief"] is False
+    reference = one_device_reference(epochs=2, steps=2, clipnorm=1.0)
+    x, y = worker_data()
+    with strategy_for(2).scope():
+        mirrored = build(SafeDistributedModel, gradient_accumulation_steps=2, global_clipnorm=1.0)
+        mirrored.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    mirrored.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    for inputs in ("numpy", "dataset"):
+        first, second = weights(results[0], inputs), weights(results[1], inputs)
+        for a, b in zip(first, second):
+            np.testing.assert_array_equal(a, b)  # workers hold identical weights
+        assert relative_error(reference, first) < 1e-5
+        assert relative_error(mirrored.get_weights(), first) < 1e-5
+        # 45 samples, micro-batch 10, 2 per update: 3 updates per epoch.
+        assert results[0][inputs]["iterations"] == 6
+        assert results[0][inputs]["history"]["samples_per_update"] == [5.0, 5.0]
+        assert results[0][inputs]["history"] == results[1][inputs]["history"]
+
+
+def test_killed_worker_resumes_from_backup_and_matches_uninterrupted_run(tmp_path):
+    backup = tmp_path / "backup"
+    args = ["--steps", "2", "--epochs", "3", "--inputs", "numpy", "--backup", str(backup)]
+    group_holder = {}
+    killed = threading.Event()
+
+    def kill_mid_epoch(index, line):
+        # Epoch 0 is backed up; kill worker 1 in the middle of epoch 1.
+        if index == 1 and line == "BATCH 1 1" and not killed.is_set():
+            killed.set()
+            group_holder["group"].kill(1)
+
+    lines = []
+    group = WorkerGroup(
+        WORKER, workers=2, args=args + ["--delay", "0.5"],
+        on_line=lambda i, line: (lines.append((i, line)), kill_mid_epoch(i, line)),
+    )
+    group_holder["group"] = group
+    group.start()
+    codes = group.wait(TIMEOUT)
+    assert killed.is_set(), [line for _, line in lines][-20:]
+    assert codes[1] != 0 and codes[0] != 0  # the survivor was killed with the group
+    assert json.loads((backup / "training_metadata.json").read_text())["epoch"] == 1
+    assert sorted(p.name for p in backup.iterdir()) == ["latest.weights.h5", "training_metadata.json"]
+
+    codes, results, lines = run_workers(args)
+    assert codes == [0, 0], [line for _, line in lines][-20:]
+    resumed_batches = [line for i, line in lines if i == 0 and line.startswith("BATCH")]
+    assert resumed_batches[0] == "BATCH 1 0"  # resumed at the start of epoch 1
+    reference = one_device_reference(epochs=3, steps=2)
+    for index in (0, 1):
+        assert relative_error(reference, weights(results[index], "numpy")) < 1e-5
+    assert not backup.exists()  # deleted after a normal end
+
+
+@pytest.mark.parametrize("workers", [0, -1, "2", True])
+def test_launcher_rejects_bad_worker_counts(workers):
+    with pytest.raises(ValueError, match=f"Received: workers={workers!r}"):
+        WorkerGroup(WORKER, workers=workers)
+
+
+def test_launcher_rejects_missing_script(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No script to launch at"):
+        WorkerGroup(str(tmp_path / "missing.py"))
