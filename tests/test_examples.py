@@ -35,3 +35,13 @@ def test_accumulate_uneven_applies_partial_group_and_clips():
     assert all(float(row[5]) == 40.0 for row in rows)  # samples in the partial update
     assert all(float(row[4]) == 0.0 for row in rows)  # no skipped updates
     assert float(rows[0][3]) == 1.0  # every early update is clipped
+
+
+def test_multi_worker_launches_two_workers_that_agree():
+    lines = run_example("multi_worker.py").splitlines()
+    checksums = {line.split()[1]: line.split()[-1] for line in lines if "weights checksum" in line}
+    assert sorted(checksums) == ["0]", "1]"]
+    assert checksums["0]"] == checksums["1]"]
+    summary = [line for line in lines if "epoch " in line and "loss" in line]
+    assert [line.split()[:3] for line in summary] == [["[worker", "0]", "epoch"]] * 3
+    assert all(line.endswith("samples per update 80") for line in summary)
