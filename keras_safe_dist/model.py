@@ -129,11 +129,15 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         return model
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
-        """Same as `keras.Model.compile`, refusing optimizer-side clipping.
+        """Same as `keras.Model.compile`, refusing what cannot work distributed.
+
+        On several replicas `jit_compile="auto"` resolves to False.
 
         Raises:
             ValueError: when the optimizer carries `clipnorm`,
-                `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`.
+                `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`;
+                or, on several replicas, for `jit_compile=True` or
+                `steps_per_execution > 1`.
         """
         optimizer = keras.optimizers.get(optimizer)
         _check_optimizer(optimizer)
