@@ -33,6 +33,9 @@ class UpdateEngine:
         self.strategy = model.distribute_strategy
         self.steps = model.gradient_accumulation_steps
         self.loss_scale = _loss_scale_optimizer(model.optimizer)
+        # Set while the train step is traced: whether the contributions still
+        # need dividing by the reduced denominator (False without accumulation,
+        # where `objective()` divides first, and for reduction="sum").
         self.normalized = True
         with self.strategy.scope():
             self.accumulators = [
@@ -181,15 +184,17 @@ class UpdateEngine:
         context = tf.distribute.get_replica_context()
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads) + [totals])
         grads, totals = reduced[:-1], reduced[-1]
-        numerator, denominator, samples = totals[0], totals[1], totals[2]
+        numerator, denominator, samples = tf.unstack(totals)
+        divisor = None
+        loss = numerator
         if self.normalized:
-            grads = [tf.math.divide_no_nan(g, denominator) for g in grads]
+            divisor = denominator
             loss = tf.math.divide_no_nan(numerator, denominator)
-        else:
-            loss = numerator
         if self.loss_scale is not None:
-            scale = tf.cast(self.loss_scale.dynamic_scale, grads[0].dtype)
-            grads = [g / scale for g in grads]
+            scale = tf.cast(self.loss_scale.dynamic_scale, denominator.dtype)
+            divisor = scale if divisor is None else divisor * scale
+        if divisor is not None:
+            grads = [tf.math.divide_no_nan(g, tf.cast(divisor, g.dtype)) for g in grads]
         grads, loss = self._add_weight_regularization(grads, loss)
         norm = tf.linalg.global_norm(grads)
         # The norm is finite only if every gradient element is (a norm that
