@@ -83,7 +83,6 @@ def keras_mask(tensor):
     return _keras_backend.get_keras_mask(tensor)
 
 
-
 def redirect_backup(callback, directory):
     """Points a `keras.callbacks.BackupAndRestore` at another directory."""
     callback.backup_dir = directory
