@@ -1,0 +1,218 @@
+"""Findings: what the audits and detectors report, with stable codes.
+
+Every check in keras_safe_dist reports a `Finding`: a stable code (like a
+linter's), a severity, the subject it is about (a variable path, a layer, an
+object), what is wrong and the fix in one sentence. An `AuditReport` groups
+the findings of one audit and renders them as a markdown table, as JSON-ready
+data and as a one-line summary.
+"""
+
+import dataclasses
+
+__all__ = [
+    "CODES",
+    "SEVERITIES",
+    "AuditReport",
+    "Code",
+    "Finding",
+]
+
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclasses.dataclass(frozen=True)
+class Code:
+    """A registered finding code: its family, severity and one-line title."""
+
+    family: str
+    severity: str
+    title: str
+
+
+CODES = {
+    # Aggregation: how a variable's updates are combined across replicas.
+    "AGG001": Code(
+        "aggregation", "error", "trainable variable with an aggregation other than none"
+    ),
+    "AGG002": Code(
+        "aggregation", "error", "optimizer slot with an aggregation other than none"
+    ),
+    "AGG003": Code("aggregation", "error", "on-write variable with sum aggregation"),
+    "AGG004": Code(
+        "aggregation", "warning", "metric accumulator that is not replica-local"
+    ),
+    "AGG005": Code(
+        "aggregation", "error", "variable of a distributed model that is not distributed"
+    ),
+    "AGG006": Code("aggregation", "warning", "integer variable with mean aggregation"),
+    # Scope: which strategy a variable was created under.
+    "SCOPE001": Code("scope", "error", "model built outside the training strategy"),
+    "SCOPE002": Code(
+        "scope", "error", "optimizer built outside the training strategy"
+    ),
+    "SCOPE003": Code("scope", "error", "metric built outside the training strategy"),
+    "SCOPE004": Code(
+        "scope", "error", "loss-scale state built outside the training strategy"
+    ),
+    "SCOPE005": Code(
+        "scope", "error", "variable created during fit outside the training strategy"
+    ),
+    # Training mode: layers that behave differently in training.
+    "MODE001": Code(
+        "training mode", "error", "BatchNormalization statistics did not move"
+    ),
+    "MODE002": Code(
+        "training mode", "error", "non-trainable state differs across replicas"
+    ),
+    "MODE003": Code(
+        "training mode", "warning", "frozen BatchNormalization in a model being trained"
+    ),
+    # Non-finite values.
+    "NAN001": Code("non-finite", "error", "non-finite value during training"),
+    "NAN002": Code("non-finite", "error", "too many consecutive skipped updates"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem found by an audit.
+
+    Args:
+        code: a stable code from `CODES`, e.g. `"AGG003"`.
+        severity: `"error"`, `"warning"` or `"info"`.
+        subject: what the finding is about: a variable path, a layer or
+            object name.
+        message: what is wrong, with the values that show it.
+        fix: what to do, in one sentence.
+
+    Raises:
+        ValueError: for an unknown severity or an empty code or subject.
+    """
+
+    code: str
+    severity: str
+    subject: str
+    message: str
+    fix: str
+
+    def __post_init__(self):
+        if not isinstance(self.code, str) or not self.code:
+            raise ValueError(
+                f"`code` must be a non-empty string. Received: code={self.code!r}"
+            )
+        if self.severity not in SEVERITIES:
+            raise ValueError(
+                f"`severity` must be one of {SEVERITIES}. "
+                f"Received: severity={self.severity!r}"
+            )
+        if not isinstance(self.subject, str) or not self.subject:
+            raise ValueError(
+                "`subject` must be a non-empty string. "
+                f"Received: subject={self.subject!r}"
+            )
+
+    @classmethod
+    def of(cls, code, subject, message, fix):
+        """A finding with the severity registered for `code` in `CODES`."""
+        if code not in CODES:
+            raise ValueError(
+                f"Unknown finding code {code!r}. Available: {', '.join(CODES)}"
+            )
+        return cls(code, CODES[code].severity, subject, message, fix)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+class AuditReport:
+    """The findings of one audit.
+
+    Args:
+        name: the audit's name, e.g. `"aggregation"`.
+        findings: the `Finding`s, in the order they were found.
+        ignore: codes to drop.
+    """
+
+    def __init__(self, name, findings=(), ignore=()):
+        self.name = name
+        self.ignored = tuple(ignore)
+        self.findings = tuple(f for f in findings if f.code not in self.ignored)
+
+    def __len__(self):
+        return len(self.findings)
+
+    def __iter__(self):
+        return iter(self.findings)
+
+    def __repr__(self):
+        return f"<AuditReport {self.summary()}>"
+
+    def codes(self):
+        """The codes found, each once, in order of first appearance."""
+        return tuple(dict.fromkeys(f.code for f in self.findings))
+
+    def counts(self):
+        """The number of findings per severity, every severity present."""
+        counts = dict.fromkeys(SEVERITIES, 0)
+        for finding in self.findings:
+            counts[finding.severity] += 1
+        return counts
+
+    def at_least(self, severity):
+        """The findings of `severity` or worse."""
+        if severity not in SEVERITIES:
+            raise ValueError(
+                f"`severity` must be one of {SEVERITIES}. "
+                f"Received: severity={severity!r}"
+            )
+        worst = SEVERITIES.index(severity)
+        return tuple(
+            f for f in self.findings if SEVERITIES.index(f.severity) <= worst
+        )
+
+    def summary(self):
+        """One line: the audit, the counts per severity and the codes."""
+        counts = self.counts()
+        parts = ", ".join(
+            f"{count} {severity}{'' if count == 1 or severity == 'info' else 's'}"
+            for severity, count in counts.items()
+        )
+        codes = f" ({', '.join(self.codes())})" if self.findings else ""
+        return f"{self.name} audit: {parts}{codes}"
+
+    def to_markdown(self):
+        """A markdown table of the findings, or a line saying there are none."""
+        if not self.findings:
+            return f"**{self.name} audit**: no findings."
+        rows = [
+            f"**{self.summary()}**",
+            "",
+            "| code | severity | subject | message | fix |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for f in self.findings:
+            cells = (f.code, f.severity, f.subject, f.message, f.fix)
+            rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        return "\n".join(rows)
+
+    def to_dict(self):
+        """JSON-ready: name, summary, counts, ignored codes and findings."""
+        return {
+            "name": self.name,
+            "summary": self.summary(),
+            "counts": self.counts(),
+            "ignored": list(self.ignored),
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+    @classmethod
+    def from_dict(cls, data):
+        """The inverse of `to_dict`."""
+        findings = [Finding(**f) for f in data["findings"]]
+        report = cls(data["name"], findings)
+        report.ignored = tuple(data.get("ignored", ()))
+        return report
+
+
+def _cell(text):
+    return str(text).replace("|", "\\|").replace("\n", " ")

@@ -1,0 +1,83 @@
+"""Writing reports into a run's log directory, from the chief only.
+
+TensorBoard reads what is written here: markdown with `tf.summary.text` and
+counts with `tf.summary.scalar`. The same reports are also written as JSON, so
+that `keras-safe-dist report LOGDIR` can read them back without TensorBoard.
+Under multi-worker training only the chief writes; the other workers' calls
+return without touching the file system.
+"""
+
+import json
+import os
+
+import tensorflow as tf
+
+from keras_safe_dist.distributed import is_chief
+
+__all__ = ["write_json", "write_report", "write_scalars", "write_text"]
+
+
+def write_text(log_dir, tag, markdown, step=0):
+    """Writes `markdown` as a `tf.summary.text` under `tag`; chief only."""
+    if not is_chief():
+        return
+    with _writer(log_dir) as writer, writer.as_default():
+        tf.summary.text(tag, markdown, step=step)
+
+
+def write_scalars(log_dir, scalars, step=0):
+    """Writes each `{tag: value}` as a `tf.summary.scalar`; chief only."""
+    if not is_chief():
+        return
+    with _writer(log_dir) as writer, writer.as_default():
+        for tag, value in scalars.items():
+            tf.summary.scalar(tag, value, step=step)
+
+
+def write_json(log_dir, filename, data):
+    """Writes `data` as indented JSON to `log_dir/filename`; chief only.
+
+    Returns:
+        The path written, or None on a worker that is not the chief.
+    """
+    if not is_chief():
+        return None
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, filename)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_report(log_dir, report, step=0):
+    """Writes an `AuditReport` to `log_dir`; chief only.
+
+    Writes the markdown table as text under `audits/<name>`, the count of
+    findings per severity as scalars under `audits/<name>/<severity>`, and
+    `audit_<name>.json`.
+    """
+    name = report.name.replace(" ", "_")
+    write_text(log_dir, f"audits/{name}", report.to_markdown(), step)
+    write_scalars(
+        log_dir,
+        {f"audits/{name}/{sev}": n for sev, n in report.counts().items()},
+        step,
+    )
+    write_json(log_dir, f"audit_{name}.json", report.to_dict())
+
+
+class _writer:
+    """A file writer that is flushed and closed on exit."""
+
+    def __init__(self, log_dir):
+        self._writer = tf.summary.create_file_writer(log_dir)
+
+    def __enter__(self):
+        return self._writer
+
+    def __exit__(self, *exc):
+        self._writer.flush()
+        self._writer.close()
