@@ -115,3 +115,27 @@ def test_backup_and_restore_paths_can_be_redirected(tmp_path):
     assert callback._training_metadata_path == str(tmp_path / "b" / "training_metadata.json")
     source = inspect.getsource(keras.callbacks.BackupAndRestore._save_model)
     assert "self._weights_path" in source and "self._training_metadata_path" in source
+
+
+def test_strategy_accessors_name_the_strategy_of_models_and_variables():
+    strategy = strategy_for(2)
+    default = _compat.default_strategy()
+    assert default is tf.distribute.get_strategy()
+    assert not tf.distribute.has_strategy()
+    with strategy.scope():
+        inside = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    outside = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert _compat.model_strategy(inside) is strategy
+    assert _compat.model_strategy(outside) is None
+    kernel = inside.layers[0].kernel.value
+    assert isinstance(kernel, tf.distribute.DistributedValues)
+    assert _compat.distributed_strategy(kernel) is strategy
+
+
+def test_flatten_layers_reaches_nested_layers():
+    inner = keras.Sequential([keras.layers.Dense(2, name="inner_dense")], name="inner")
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(inner(inputs)))
+    names = [layer.name for layer in _compat.flatten_layers(model)]
+    assert "inner_dense" in names and "head" in names and "inner" in names
+    assert model.name not in names

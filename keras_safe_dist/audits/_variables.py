@@ -118,10 +118,27 @@ def inventory(model):
         owner = f"optimizer '{optimizer.name}'"
         for variable, role in optimizer_roles(optimizer):
             add(variable, owner, role)
-    for metric in model.metrics:
+    for metric in metrics_of(model):
         for variable in metric.variables:
             add(variable, f"metric '{metric.name}'", "metric")
     return rows
+
+
+def metrics_of(model):
+    """The model's metrics, with compiled metric containers opened up."""
+    flat = []
+
+    def add(metric):
+        inner = getattr(metric, "metrics", None)
+        if isinstance(inner, (list, tuple)) and inner:
+            for m in inner:
+                add(m)
+        else:
+            flat.append(metric)
+
+    for metric in model.metrics:
+        add(metric)
+    return flat
 
 
 def optimizer_roles(optimizer):

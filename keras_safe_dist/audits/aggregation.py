@@ -101,8 +101,10 @@ def _check(info, strategy, distributed):
         yield Finding.of(
             "AGG006",
             path,
-            f"integer variable ({info.dtype}) with aggregation='mean': the "
-            "mean of the replicas' values is truncated to an integer.",
+            f"integer variable ({info.dtype}) with aggregation='mean': "
+            "TensorFlow refuses to create it under a distribution strategy "
+            "('aggregation=MEAN and a non-floating dtype is not supported'), "
+            "so this model cannot be trained on several replicas.",
             "Use aggregation='only_first_replica' for a counter every replica "
             "advances alike, or synchronization='on_read' with 'sum'.",
         )

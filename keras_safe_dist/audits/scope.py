@@ -109,7 +109,7 @@ def scope_findings(model, strategy=None, optimizer=None, metrics=()):
             )
         )
     seen = set()
-    for metric in list(model.metrics) + list(metrics):
+    for metric in _variables.metrics_of(model) + list(metrics):
         if id(metric) in seen:
             continue
         seen.add(id(metric))

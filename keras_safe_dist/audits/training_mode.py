@@ -31,7 +31,7 @@ def frozen_batch_norm_findings(model):
     return [
         Finding.of(
             "MODE003",
-            layer.path,
+            _name(layer),
             "BatchNormalization with trainable=False in a model being trained: "
             "it runs in inference mode, so its moving statistics stay frozen "
             "and it normalizes with them instead of the batch statistics.",
@@ -99,6 +99,10 @@ def _batch_norms(model):
     ]
 
 
+def _name(layer):
+    return getattr(layer, "path", None) or layer.name
+
+
 def _bn_state(layer):
     return [layer.moving_mean, layer.moving_variance]
 
@@ -126,7 +130,7 @@ def _not_in_training_mode(layer, kind):
     )
     return Finding.of(
         "MODE001",
-        layer.path,
+        _name(layer),
         f"{type(layer).__name__} ran in inference mode during training: "
         f"{what} over the first training steps.",
         "Call the model with `training=True` in the train step (and keep the "
@@ -137,7 +141,7 @@ def _not_in_training_mode(layer, kind):
 def _per_replica_statistics(layer, replicas):
     return Finding.of(
         "MODE004",
-        layer.path,
+        _name(layer),
         f"moving statistics differ across the {replicas} replicas: each "
         "replica updates its copy from its own share of the batch, and saving "
         "or evaluating outside the replicas reads the first replica's copy.",

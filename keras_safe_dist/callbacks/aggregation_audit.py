@@ -2,6 +2,7 @@
 
 from keras_safe_dist.audits import aggregation_findings
 from keras_safe_dist.audits import training_strategy
+from keras_safe_dist.audits._variables import inventory
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
 from keras_safe_dist.findings import AuditReport
 
@@ -15,7 +16,10 @@ class AggregationAudit(AuditCallback):
     counters, loss scale) and the metrics: its path, owner, Keras aggregation
     and synchronization, the `tf.VariableAggregation` it maps to, its
     container (`mirrored`, `on-read` or `plain`) and devices, all kept in
-    `.variables` and written to `audit_aggregation.json`. Flags:
+    `.variables` and written to `audit_aggregation.json`. Variables created
+    by the first train step (metrics and layers Keras builds lazily, as it
+    does without a strategy) are audited at the end of the first epoch, when
+    the report is published again. Flags:
 
     - `AGG001`: a trainable variable whose aggregation is not `none`.
     - `AGG002`: an optimizer slot whose aggregation is not `none`.
@@ -45,9 +49,18 @@ class AggregationAudit(AuditCallback):
         self.variables = []
 
     def on_train_begin(self, logs=None):
+        self._audit(step=0)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0 and len(inventory(self.model)) != len(self.variables):
+            self._audit(step=1)
+
+    def _audit(self, step):
         strategy = training_strategy(self.model)
         findings, self.variables = aggregation_findings(self.model, strategy)
         self.publish(
             AuditReport(self.name, findings),
+            step=step,
             extra={"variables": [v.to_dict() for v in self.variables]},
         )
+

@@ -1,0 +1,256 @@
+"""The audit callbacks during fit(): findings, actions, silencing and TensorBoard."""
+
+import json
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist import callbacks
+from keras_safe_dist import summaries
+
+from conftest import mirrored_strategy
+from conftest import strategy_for
+
+X = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+Y = X[:, :1] * 2.0
+
+
+class Counter(keras.layers.Layer):
+    """Adds 1 to an on-write `sum` variable each step (AGG003)."""
+
+    def build(self, shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="sum", name="count")
+
+    def call(self, x):
+        self.count.assign_add(1.0)
+        return x
+
+
+class LastMean(keras.layers.Layer):
+    """Keeps the mean of each replica's last batch in a mirrored variable (MODE002)."""
+
+    def build(self, shape):
+        self.last = self.add_weight(shape=(), initializer="zeros", trainable=False, name="last")
+
+    def call(self, x, training=False):
+        if training:
+            self.last.assign(keras.ops.mean(x))
+        return x
+
+
+class InferenceModeStep(keras.Model):
+    """A custom train step that calls the model with training=False (MODE001)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=False))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def build(strategy, *layers, cls=keras.Model, **compile_kwargs):
+    with strategy.scope():
+        inputs = keras.Input((3,))
+        outputs = inputs
+        for layer in layers:
+            outputs = layer(outputs)
+        model = cls(inputs, outputs)
+        model.compile(optimizer="sgd", loss="mse", **compile_kwargs)
+    return model
+
+
+def fit(model, *cbs, epochs=1):
+    model.fit(X, Y, batch_size=4, epochs=epochs, verbose=0, callbacks=list(cbs))
+
+
+def test_aggregation_audit_flags_an_on_write_sum_variable_at_train_begin(replicas):
+    model = build(strategy_for(replicas), Counter(name="counter"), keras.layers.Dense(1))
+    audit = callbacks.AggregationAudit(on_finding="ignore")
+    fit(model, audit)
+    assert [(f.code, f.severity, f.subject) for f in audit.report] == [("AGG003", "error", "counter/count")]
+    rows = {v.path: v for v in audit.variables}
+    assert rows["counter/count"].container == ("plain" if replicas == 1 else "mirrored")
+    assert any(v.role == "optimizer-state" for v in audit.variables)
+
+
+@pytest.mark.parametrize("cls", [keras.Model, SafeDistributedModel], ids=["stock", "safe"])
+def test_scope_audit_flags_a_variable_created_by_a_callback_during_fit(cls):
+    class LateVariable(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.created = keras.Variable(0.0, name="late_counter")
+
+    model = build(mirrored_strategy(), keras.layers.Dense(1), cls=cls)
+    audit = callbacks.ScopeAudit(on_finding="ignore")
+    fit(model, audit, LateVariable(), epochs=2)
+    (finding,) = audit.report.findings
+    assert (finding.code, finding.severity, finding.subject) == ("SCOPE005", "error", "variable 'late_counter'")
+    assert "by test_audit_callbacks.py:" in finding.message
+    assert "in LateVariable.on_epoch_begin" in finding.message
+    # The watch stops with training.
+    keras.Variable(0.0, name="after_fit")
+    assert len(audit.report) == 1
+
+
+def test_scope_audit_is_silent_at_one_replica_and_for_variables_created_in_scope(replicas):
+    strategy = strategy_for(replicas)
+
+    class ScopedVariable(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            with self.model.distribute_strategy.scope():
+                self.created = keras.Variable(0.0, name="scoped")
+
+    model = build(strategy, keras.layers.Dense(1))
+    audit = callbacks.ScopeAudit(on_finding="raise")
+    fit(model, audit, ScopedVariable())
+    assert len(audit.report) == 0
+
+
+def test_training_mode_audit_flags_layers_run_in_inference_mode(replicas):
+    model = build(
+        strategy_for(replicas),
+        keras.layers.Dense(4),
+        keras.layers.BatchNormalization(name="bn"),
+        keras.layers.Dropout(0.5, name="drop"),
+        keras.layers.Dense(1),
+        cls=InferenceModeStep,
+    )
+    audit = callbacks.TrainingModeAudit(on_finding="ignore")
+    fit(model, audit)
+    assert [(f.code, f.severity, f.subject) for f in audit.report] == [
+        ("MODE001", "error", "bn"),
+        ("MODE001", "error", "drop"),
+    ]
+    assert "moving mean and variance did not move" in audit.report.findings[0].message
+
+
+def test_training_mode_audit_flags_state_that_differs_across_replicas():
+    model = build(mirrored_strategy(), LastMean(name="last_mean"), keras.layers.Dense(1))
+    audit = callbacks.TrainingModeAudit(on_finding="ignore")
+    fit(model, audit)
+    (finding,) = audit.report.findings
+    assert (finding.code, finding.severity, finding.subject) == ("MODE002", "error", "last_mean/last")
+    assert "differ across the 2 replicas" in finding.message
+
+
+def test_training_mode_audit_reports_per_replica_batch_norm_statistics_as_info():
+    model = build(mirrored_strategy(), keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1))
+    audit = callbacks.TrainingModeAudit(on_finding="raise")
+    fit(model, audit)
+    assert [(f.code, f.severity, f.subject) for f in audit.report] == [("MODE004", "info", "bn")]
+    synced = build(mirrored_strategy(), keras.layers.BatchNormalization(synchronized=True), keras.layers.Dense(1))
+    audit = callbacks.TrainingModeAudit(on_finding="raise")
+    fit(synced, audit)
+    assert len(audit.report) == 0
+
+
+def test_training_mode_audit_flags_a_frozen_batch_norm(replicas):
+    frozen = keras.layers.BatchNormalization(name="frozen")
+    frozen.trainable = False
+    model = build(strategy_for(replicas), frozen, keras.layers.Dense(1))
+    audit = callbacks.TrainingModeAudit(on_finding="ignore")
+    fit(model, audit)
+    assert [(f.code, f.severity, f.subject) for f in audit.report] == [("MODE003", "warning", "frozen")]
+
+
+def test_training_mode_audit_checks_after_the_chosen_step_even_in_a_short_run():
+    model = build(strategy_for(1), keras.layers.Dense(2), keras.layers.Dropout(0.5, name="drop"), cls=InferenceModeStep)
+    audit = callbacks.TrainingModeAudit(check_after_steps=100, on_finding="ignore")
+    fit(model, audit)  # 4 steps: checked at train end
+    assert audit.report.codes() == ("MODE001",)
+
+
+def test_on_finding_warn_raise_and_ignore():
+    def run(**kwargs):
+        model = build(strategy_for(1), Counter(), keras.layers.Dense(1))
+        audit = callbacks.AggregationAudit(**kwargs)
+        fit(model, audit)
+        return audit
+
+    with pytest.warns(callbacks.AuditWarning, match=r"aggregation audit: 1 error, 0 warnings, 0 info \(AGG003\)\n\[AGG003\] error counter/count: on-write"):
+        run()
+    with pytest.raises(callbacks.AuditError, match="AGG003") as raised:
+        run(on_finding="raise")
+    assert raised.value.report.codes() == ("AGG003",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run(on_finding="ignore").report.codes() == ("AGG003",)
+        assert len(run(ignore=["AGG003"]).report) == 0
+
+
+def test_one_callback_object_reports_each_fit_afresh():
+    audit = callbacks.AggregationAudit(on_finding="ignore")
+    fit(build(strategy_for(1), Counter(), keras.layers.Dense(1)), audit)
+    assert len(audit.report) == 1
+    fit(build(strategy_for(1), keras.layers.Dense(1)), audit)
+    assert len(audit.report) == 0
+
+
+def read_events(log_dir):
+    accumulator = event_accumulator.EventAccumulator(log_dir, size_guidance={"tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def test_reports_are_written_for_tensorboard_and_as_json(tmp_path, replicas):
+    log_dir = str(tmp_path)
+    model = build(strategy_for(replicas), Counter(name="counter"), keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1))
+    cbs = [
+        callbacks.ScopeAudit(log_dir=log_dir),
+        callbacks.AggregationAudit(log_dir=log_dir, on_finding="ignore"),
+        callbacks.TrainingModeAudit(log_dir=log_dir),
+    ]
+    fit(model, *cbs)
+    events = read_events(log_dir)
+    assert sorted(t for t in events.Tags()["tensors"] if "/" in t and t.count("/") == 1) == [
+        "audits/aggregation", "audits/scope", "audits/training_mode",
+    ]
+    text = tf.make_ndarray(events.Tensors("audits/aggregation")[0].tensor_proto).item().decode()
+    assert text == cbs[1].report.to_markdown()
+    assert "| AGG003 | error | counter/count |" in text
+    errors = events.Tensors("audits/aggregation/error")[0]
+    assert (errors.step, float(tf.make_ndarray(errors.tensor_proto))) == (0, 1.0)
+    info = events.Tensors("audits/training_mode/info")[0]
+    assert (info.step, float(tf.make_ndarray(info.tensor_proto))) == (2, 0.0 if replicas == 1 else 1.0)
+    with open(os.path.join(log_dir, "audit_aggregation.json")) as f:
+        data = json.load(f)
+    assert data["counts"] == {"error": 1, "warning": 0, "info": 0}
+    assert data["findings"][0]["subject"] == "counter/count"
+    assert {v["path"] for v in data["variables"]} >= {"counter/count", "bn/moving_mean"}
+
+
+def test_only_the_chief_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(summaries, "is_chief", lambda strategy=None: False)
+    audit = callbacks.AggregationAudit(log_dir=str(tmp_path), on_finding="ignore")
+    fit(build(strategy_for(1), Counter(), keras.layers.Dense(1)), audit)
+    assert audit.report.codes() == ("AGG003",)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"on_finding": "loud"}, ValueError, r"`on_finding` must be one of \('warn', 'raise', 'ignore'\). Received: on_finding='loud'"),
+        ({"ignore": "AGG003"}, TypeError, r"`ignore` must be a list or tuple of finding codes, e.g. ignore=\['MODE003'\]. Received: ignore='AGG003'"),
+        ({"ignore": ["AGG999"]}, ValueError, r"Unknown finding codes in `ignore`: \['AGG999'\]. Available: AGG001, "),
+        ({"log_dir": 3}, TypeError, r"`log_dir` must be a path \(str or os.PathLike\) or None. Received: log_dir=3"),
+    ],
+)
+@pytest.mark.parametrize("cls", [callbacks.AggregationAudit, callbacks.ScopeAudit, callbacks.TrainingModeAudit])
+def test_callbacks_reject_bad_arguments(cls, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("steps", [0, 1.5, True])
+def test_training_mode_audit_rejects_bad_check_after_steps(steps):
+    with pytest.raises(ValueError, match=f"`check_after_steps` must be an integer >= 1. Received: check_after_steps={steps!r}"):
+        callbacks.TrainingModeAudit(check_after_steps=steps)

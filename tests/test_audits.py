@@ -1,0 +1,263 @@
+"""Each finding code of the static audits: triggered, and silent when set up right."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_safe_dist
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.audits import aggregation_findings
+from keras_safe_dist.audits import scope_findings
+
+from conftest import mirrored_strategy
+from conftest import strategy_for
+
+
+class StateLayer(keras.layers.Layer):
+    """A Dense-like layer with one extra variable of chosen settings."""
+
+    def __init__(self, trainable_state=False, dtype_state="float32", **state):
+        super().__init__(name="state_layer")
+        self.state_settings = dict(trainable=trainable_state, dtype=dtype_state, **state)
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 1), initializer="ones")
+        self.state = self.add_weight(shape=(), initializer="zeros", name="state", **self.state_settings)
+
+    def call(self, x):
+        return x @ self.kernel
+
+
+class OnWriteMean(keras.metrics.Metric):
+    """A metric whose state is mirrored (on-write) instead of replica-local."""
+
+    def __init__(self, name="on_write_mean"):
+        super().__init__(name=name)
+        self.total = keras.Variable(0.0, name="total", trainable=False)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(keras.ops.sum(y_pred))
+
+    def result(self):
+        return self.total
+
+
+class MeanSlotSGD(keras.optimizers.SGD):
+    """An optimizer keeping a slot with mean aggregation."""
+
+    def build(self, var_list):
+        super().build(var_list)
+        self.slots = [self.add_variable(v.shape, aggregation="mean", name="slot") for v in var_list]
+
+
+def model_with(layer, strategy, optimizer="sgd", metrics=None):
+    with strategy.scope():
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, layer(inputs))
+        model.compile(optimizer=optimizer, loss="mse", metrics=metrics)
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def only(findings, code):
+    matching = [f for f in findings if f.code == code]
+    assert len(matching) == 1, findings
+    return matching[0]
+
+
+@pytest.mark.parametrize(
+    "settings, code, subject",
+    [
+        ({"trainable_state": True, "aggregation": "mean"}, "AGG001", "state_layer/state"),
+        ({"aggregation": "sum"}, "AGG003", "state_layer/state"),
+    ],
+)
+def test_layer_variable_aggregation_findings(replicas, settings, code, subject):
+    model = model_with(StateLayer(**settings), strategy_for(replicas))
+    findings, variables = aggregation_findings(model)
+    finding = only(findings, code)
+    assert (finding.severity, finding.subject) == ("error", subject)
+    assert {f.code for f in findings} == {code}
+    state = next(v for v in variables if v.path == subject)
+    assert state.aggregation == settings["aggregation"]
+    assert state.container == ("plain" if replicas == 1 else "mirrored")
+
+
+def test_integer_variable_with_mean_aggregation():
+    model = model_with(StateLayer(dtype_state="int32", aggregation="mean"), strategy_for(1))
+    findings, _ = aggregation_findings(model)
+    finding = only(findings, "AGG006")
+    assert (finding.severity, finding.subject) == ("warning", "state_layer/state")
+    assert "cannot be trained on several replicas" in finding.message
+    # The reason it is flagged: TensorFlow refuses it under a strategy.
+    with pytest.raises(ValueError, match="aggregation=MEAN and a non-floating dtype is not supported"):
+        model_with(StateLayer(dtype_state="int32", aggregation="mean"), mirrored_strategy())
+
+
+def test_optimizer_slot_with_mean_aggregation(replicas):
+    strategy = strategy_for(replicas)
+    model = model_with(keras.layers.Dense(1, use_bias=False), strategy, optimizer=MeanSlotSGD(name="sgd"))
+    findings, variables = aggregation_findings(model)
+    finding = only(findings, "AGG002")
+    assert (finding.severity, finding.subject) == ("error", "sgd/slot")
+    assert "optimizer 'sgd'" in finding.message
+    roles = {v.path: v.role for v in variables}
+    assert roles["sgd/iteration"] == "optimizer-state"
+    assert roles["sgd/slot"] == "optimizer-slot"
+
+
+def test_metric_state_that_is_not_replica_local(replicas):
+    strategy = strategy_for(replicas)
+    with strategy.scope():
+        metric = OnWriteMean()
+    model = model_with(keras.layers.Dense(1), strategy, metrics=[metric])
+    model.evaluate(np.ones((4, 3), "float32"), np.ones((4, 1), "float32"), verbose=0)
+    findings, _ = aggregation_findings(model)
+    finding = only(findings, "AGG004")
+    assert (finding.severity, finding.subject) == ("warning", "total")
+    assert finding.message.startswith("state of metric 'on_write_mean' with synchronization='auto'")
+
+
+def test_variable_of_a_distributed_model_that_is_not_distributed():
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(2, name="lazy")])
+    model(np.ones((2, 3), "float32"))  # built on first call, outside the scope
+    findings, variables = aggregation_findings(model)
+    lazy = [f for f in findings if f.code == "AGG005"]
+    assert [f.subject for f in lazy] == ["sequential/lazy/kernel", "sequential/lazy/bias"]
+    assert lazy[0].severity == "error"
+    assert "MirroredStrategy with 2 replicas" in lazy[0].message
+    assert {v.container for v in variables} == {"plain"}
+
+
+def test_variable_inventory_describes_every_variable(replicas):
+    strategy = strategy_for(replicas)
+    model = model_with(keras.layers.Dense(1, name="out"), strategy, optimizer="adam", metrics=["mae"])
+    model.evaluate(np.ones((4, 3), "float32"), np.ones((4, 1), "float32"), verbose=0)
+    findings, variables = aggregation_findings(model)
+    assert findings == []
+    rows = {v.path: v for v in variables}
+    kernel, total = rows["out/kernel"], rows["mean_absolute_error/total"]
+    moment = next(v for v in variables if v.path.endswith("/out_kernel_momentum"))
+    assert (kernel.owner, kernel.role, kernel.tf_aggregation) == ("out", "trainable", "NONE")
+    assert (moment.owner, moment.role) == (f"optimizer '{model.optimizer.name}'", "optimizer-slot")
+    assert (total.role, total.synchronization, total.tf_aggregation) == ("metric", "on_read", "SUM")
+    expected = {"plain"} if replicas == 1 else {"mirrored", "on-read"}
+    assert {v.container for v in variables} == expected
+    assert len(kernel.devices) == replicas
+
+
+def test_scope_findings_name_each_misplaced_object():
+    strategy = mirrored_strategy()
+    optimizer = keras.optimizers.Adam(name="adam")
+    metric = keras.metrics.AUC(name="auc_outside")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs), name="outside")
+    findings = scope_findings(model, strategy, optimizer=optimizer, metrics=[metric])
+    assert [(f.code, f.severity, f.subject) for f in findings] == [
+        ("SCOPE001", "error", "model 'outside'"),
+        ("SCOPE002", "error", "optimizer 'adam'"),
+        ("SCOPE003", "error", "metric 'auc_outside'"),
+    ]
+    assert findings[0].message.startswith("2 of 2 variables belong to no strategy")
+    assert "MirroredStrategy with 2 replicas" in findings[0].message
+    assert findings[0].fix == "Move the line that builds model 'outside' into `with strategy.scope():`."
+
+
+def test_loss_scale_built_outside_the_scope():
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    optimizer.build(model.trainable_variables)  # slots and scale outside the scope
+    findings = scope_findings(model, strategy, optimizer=optimizer)
+    scale = only(findings, "SCOPE004")
+    assert (scale.severity, scale.subject) == ("error", "loss scale of optimizer 'loss_scale_optimizer'")
+    assert scale.message.startswith("2 of 2 variables")
+
+
+def test_everything_inside_the_scope_is_silent(replicas):
+    strategy = strategy_for(replicas)
+    with strategy.scope():
+        metric = keras.metrics.AUC()
+    model = model_with(keras.layers.Dense(1), strategy, optimizer="adam", metrics=[metric])
+    assert scope_findings(model) == []
+    assert len(keras_safe_dist.audit(model)) == 0
+
+
+def test_audit_combines_the_static_checks():
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        inputs = keras.Input((3,))
+        hidden = StateLayer(aggregation="sum")(inputs)
+        frozen = keras.layers.BatchNormalization(name="frozen_bn")
+        frozen.trainable = False
+        model = keras.Model(inputs, frozen(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(), loss="mse", metrics=[keras.metrics.AUC()])  # outside
+    report = keras_safe_dist.audit(model)
+    assert report.name == "pre-flight"
+    assert report.codes() == ("AGG003", "AGG005", "SCOPE002", "SCOPE003", "MODE003")
+    frozen_finding = only(report.findings, "MODE003")
+    assert (frozen_finding.severity, frozen_finding.subject) == ("warning", "frozen_bn")
+
+
+def test_audit_rejects_bad_input():
+    with pytest.raises(TypeError, match="`model` must be a keras.Model. Received: model='model'"):
+        keras_safe_dist.audit("model")
+    model = keras.Sequential([keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="audit\\(\\) needs a built model, but model 'sequential.*' has no variables"):
+        keras_safe_dist.audit(model)
+    model.build((None, 3))
+    with pytest.raises(TypeError, match="`strategy` must be a tf.distribute.Strategy or None. Received: strategy='mirrored'"):
+        keras_safe_dist.audit(model, strategy="mirrored")
+
+
+def safe_model(strategy=None):
+    inputs = keras.Input((3,))
+    return SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+
+
+def test_compile_refuses_a_model_built_outside_the_scope_naming_its_line():
+    model = safe_model()
+    with pytest.raises(keras_safe_dist.ScopeError) as raised:
+        with mirrored_strategy().scope():
+            model.compile(optimizer="sgd", loss="mse")
+    message = str(raised.value)
+    assert message.startswith("SafeDistributedModel.compile() found objects built outside")
+    assert "[SCOPE001] model 'safe_distributed_functional'" in message
+    assert "(built at test_audits.py:" in message and "in safe_model)" in message
+    assert [f.code for f in raised.value.findings] == ["SCOPE001"]
+
+
+def test_compile_refuses_an_optimizer_or_metric_built_outside_the_scope():
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        model = safe_model()
+    with pytest.raises(keras_safe_dist.ScopeError, match=r"\[SCOPE002\] optimizer 'adam'"):
+        model.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse")
+    with pytest.raises(keras_safe_dist.ScopeError, match=r"\[SCOPE003\] metric 'auc'"):
+        model.compile(optimizer="adam", loss="mse", metrics=[keras.metrics.AUC(name="auc")])
+
+
+def test_compile_outside_the_scope_creates_named_objects_under_the_model_strategy():
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        model = safe_model()
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x = np.ones((8, 3), "float32")
+    history = model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert scope_findings(model) == []
+
+
+def test_fit_refuses_a_model_whose_optimizer_moved_outside_the_scope():
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        model = safe_model()
+        model.compile(optimizer="sgd", loss="mse")
+    model.optimizer = keras.optimizers.SGD(name="sgd")
+    x = np.ones((8, 3), "float32")
+    with pytest.raises(keras_safe_dist.ScopeError, match=r"SafeDistributedModel.fit\(\) found .*\n- \[SCOPE002\] optimizer 'sgd'"):
+        model.fit(x, x[:, :1], verbose=0)
