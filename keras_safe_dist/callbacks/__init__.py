@@ -5,6 +5,7 @@ from keras_safe_dist.callbacks.audit_callback import AuditCallback
 from keras_safe_dist.callbacks.audit_callback import AuditError
 from keras_safe_dist.callbacks.audit_callback import AuditWarning
 from keras_safe_dist.callbacks.backup_and_restore import MultiWorkerBackupAndRestore
+from keras_safe_dist.callbacks.dashboard import Dashboard
 from keras_safe_dist.callbacks.scope_audit import ScopeAudit
 from keras_safe_dist.callbacks.training_mode_audit import TrainingModeAudit
 
@@ -13,6 +14,7 @@ __all__ = [
     "AuditCallback",
     "AuditError",
     "AuditWarning",
+    "Dashboard",
     "MultiWorkerBackupAndRestore",
     "ScopeAudit",
     "TrainingModeAudit",

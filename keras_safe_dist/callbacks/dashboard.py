@@ -1,0 +1,105 @@
+"""`Dashboard`: SafeDistributedModel's update statistics in one TensorBoard view."""
+
+import os
+
+import keras
+import tensorflow as tf
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
+
+from keras_safe_dist.distributed import is_chief
+
+__all__ = ["Dashboard", "DASHBOARD_TITLE", "STATISTICS", "layout"]
+
+DASHBOARD_TITLE = "safe distributed training"
+
+# log name: chart title
+STATISTICS = {
+    "grad_norm": "gradient norm (reduced, before clipping)",
+    "clip_rate": "clip rate (share of updates clipped)",
+    "skipped_updates": "skipped non-finite updates",
+    "samples_per_update": "samples per update",
+}
+PREFIX = "safe_distributed"
+
+
+def layout():
+    """The custom-scalars layout: one category, a chart per statistic.
+
+    Each chart shows this callback's `safe_distributed/<name>` and the
+    `epoch_<name>` that `keras.callbacks.TensorBoard` logs for the same value.
+    """
+    charts = [
+        layout_pb2.Chart(
+            title=title,
+            multiline=layout_pb2.MultilineChartContent(
+                tag=[rf"^{PREFIX}/{name}$", rf"^epoch_{name}$"]
+            ),
+        )
+        for name, title in STATISTICS.items()
+    ]
+    return layout_pb2.Layout(
+        category=[layout_pb2.Category(title=DASHBOARD_TITLE, chart=charts)]
+    )
+
+
+class Dashboard(keras.callbacks.Callback):
+    """Logs update statistics and a "safe distributed training" dashboard.
+
+    At train begin it writes TensorBoard's custom-scalars layout (once per
+    run) grouping gradient norm, clip rate, skipped updates and samples per
+    update; at each epoch end it writes those values from the epoch logs of a
+    `SafeDistributedModel` as `safe_distributed/<name>` scalars. It reads only
+    the logs Keras already computed (no extra host sync) and has no batch
+    hook. With a plain `keras.Model`, whose logs lack these values, only the
+    layout is written. Only the chief writes.
+
+    Args:
+        log_dir: the TensorBoard log directory (the run is its root).
+
+    Example:
+
+    ```python
+    model.fit(x, y, callbacks=[keras_safe_dist.callbacks.Dashboard("logs")])
+    # tensorboard --logdir logs  ->  "Custom Scalars" tab
+    ```
+    """
+
+    def __init__(self, log_dir):
+        super().__init__()
+        if not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(
+                "`log_dir` must be a path (str or os.PathLike). "
+                f"Received: log_dir={log_dir!r}"
+            )
+        self.log_dir = os.fspath(log_dir)
+        self._writer = None
+
+    def on_train_begin(self, logs=None):
+        self._close()
+        if not is_chief():
+            return
+        self._writer = tf.summary.create_file_writer(self.log_dir)
+        with self._writer.as_default():
+            tf.summary.experimental.write_raw_pb(
+                custom_scalar_summary.pb(layout()).SerializeToString(), step=0
+            )
+        self._writer.flush()
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        if self._writer is None:
+            return
+        with self._writer.as_default():
+            for name in STATISTICS:
+                if name in logs:
+                    tf.summary.scalar(f"{PREFIX}/{name}", float(logs[name]), step=epoch)
+        self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        self._close()
+
+    def _close(self):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
