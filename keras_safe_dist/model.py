@@ -186,6 +186,13 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             )
         self._update_engine = None
 
+    def compile_from_config(self, config):
+        """Compiles a loaded model as it was saved (optimizer, loss, metrics)."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def fit(self, *args, **kwargs):
         """Same as `keras.Model.fit`; `batch_size` is the micro-batch size.
 

@@ -45,3 +45,25 @@ def test_multi_worker_launches_two_workers_that_agree():
     summary = [line for line in lines if "epoch " in line and "loss" in line]
     assert [line.split()[:3] for line in summary] == [["[worker", "0]", "epoch"]] * 3
     assert all(line.endswith("samples per update 80") for line in summary)
+
+
+def test_mirrored_with_callbacks_audits_clean_and_reports_statistics():
+    out = run_example("mirrored_with_callbacks.py")
+    lines = out.splitlines()
+    losses = [float(line.split()[3].rstrip(",")) for line in lines if line.startswith("epoch ")]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert "scope audit: 0 errors, 0 warnings, 0 info" in lines
+    assert "aggregation audit: 0 errors, 0 warnings, 0 info" in lines
+    assert "training_mode audit: 0 errors, 0 warnings, 0 info" in lines
+    assert "none (3 audit reports read)" in lines
+    assert any(line.startswith("| . | samples_per_update | 64 |") for line in lines)
+    assert lines[-1].startswith("Open the dashboard with: tensorboard --logdir ")
+
+
+def test_subclassed_model_matches_stock_keras_and_reloads():
+    lines = run_example("subclassed_model.py").splitlines()
+    assert lines[0] == "replicas: 2, micro-batch 16, accumulation 3"
+    assert all(line.endswith("last update 8 samples") for line in lines[1:4])
+    difference = float(lines[4].rsplit(" ", 1)[1])
+    assert difference < 1e-5
+    assert lines[5] == "reloaded ResidualRegressor: accumulation 3, global_clipnorm 1.0, same predictions: True"

@@ -1,5 +1,7 @@
 """SafeDistributedModel's arguments, compile checks, saving, evaluate/predict and logs."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -118,12 +120,17 @@ def test_wraps_a_sequential_model():
 def test_save_and_load_round_trip(tmp_path, build):
     x, y, _ = regression_data(16)
     model = build(gradient_accumulation_steps=3, clipnorm=0.5, skip_nonfinite=False)
-    model.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
     model.fit(x, y, batch_size=4, verbose=0)
     path = tmp_path / "m.keras"
     model.save(path)
-    loaded = keras.saving.load_model(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compile() was not called" warning
+        loaded = keras.saving.load_model(path)
     assert type(loaded) is type(model)
+    assert loaded.compiled and loaded.optimizer.get_config() == model.optimizer.get_config()
+    for saved, restored in zip(model.optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(restored.numpy(), saved.numpy())
     assert loaded.gradient_accumulation_steps == 3
     assert loaded.clipnorm == 0.5
     assert loaded.global_clipnorm is None
