@@ -4,7 +4,8 @@ TensorBoard reads what is written here: markdown with `tf.summary.text` and
 counts with `tf.summary.scalar`. The same reports are also written as JSON, so
 that `keras-safe-dist report LOGDIR` can read them back without TensorBoard.
 Under multi-worker training only the chief writes; the other workers' calls
-return without touching the file system.
+return without touching the file system. Callbacks run outside the strategy's
+scope, so they pass the model's `distribute_strategy` to tell who the chief is.
 """
 
 import json
@@ -17,30 +18,30 @@ from keras_safe_dist.distributed import is_chief
 __all__ = ["write_json", "write_report", "write_scalars", "write_text"]
 
 
-def write_text(log_dir, tag, markdown, step=0):
+def write_text(log_dir, tag, markdown, step=0, strategy=None):
     """Writes `markdown` as a `tf.summary.text` under `tag`; chief only."""
-    if not is_chief():
+    if not is_chief(strategy):
         return
     with _writer(log_dir) as writer, writer.as_default():
         tf.summary.text(tag, markdown, step=step)
 
 
-def write_scalars(log_dir, scalars, step=0):
+def write_scalars(log_dir, scalars, step=0, strategy=None):
     """Writes each `{tag: value}` as a `tf.summary.scalar`; chief only."""
-    if not is_chief():
+    if not is_chief(strategy):
         return
     with _writer(log_dir) as writer, writer.as_default():
         for tag, value in scalars.items():
             tf.summary.scalar(tag, value, step=step)
 
 
-def write_json(log_dir, filename, data):
+def write_json(log_dir, filename, data, strategy=None):
     """Writes `data` as indented JSON to `log_dir/filename`; chief only.
 
     Returns:
         The path written, or None on a worker that is not the chief.
     """
-    if not is_chief():
+    if not is_chief(strategy):
         return None
     os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, filename)
@@ -52,7 +53,7 @@ def write_json(log_dir, filename, data):
     return path
 
 
-def write_report(log_dir, report, step=0, extra=None):
+def write_report(log_dir, report, step=0, extra=None, strategy=None):
     """Writes an `AuditReport` to `log_dir`; chief only.
 
     Writes the markdown table as text under `audits/<name>`, the count of
@@ -60,6 +61,8 @@ def write_report(log_dir, report, step=0, extra=None):
     `audit_<name>.json` (the report's `to_dict()`, plus `extra` if given).
     """
     name = report.name.replace(" ", "_")
+    if not is_chief(strategy):
+        return
     write_text(log_dir, f"audits/{name}", report.to_markdown(), step)
     write_scalars(
         log_dir,

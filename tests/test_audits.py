@@ -170,7 +170,7 @@ def test_loss_scale_built_outside_the_scope():
     with strategy.scope():
         inputs = keras.Input((3,))
         model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
-        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), name="loss_scale_optimizer")
     optimizer.build(model.trainable_variables)  # slots and scale outside the scope
     findings = scope_findings(model, strategy, optimizer=optimizer)
     scale = only(findings, "SCOPE004")
@@ -216,7 +216,7 @@ def test_audit_rejects_bad_input():
 
 def safe_model(strategy=None):
     inputs = keras.Input((3,))
-    return SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    return SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs), name="safe")
 
 
 def test_compile_refuses_a_model_built_outside_the_scope_naming_its_line():
@@ -226,7 +226,7 @@ def test_compile_refuses_a_model_built_outside_the_scope_naming_its_line():
             model.compile(optimizer="sgd", loss="mse")
     message = str(raised.value)
     assert message.startswith("SafeDistributedModel.compile() found objects built outside")
-    assert "[SCOPE001] model 'safe_distributed_functional'" in message
+    assert "[SCOPE001] model 'safe': 2 of 2 variables belong to no strategy" in message
     assert "(built at test_audits.py:" in message and "in safe_model)" in message
     assert [f.code for f in raised.value.findings] == ["SCOPE001"]
 

@@ -86,7 +86,13 @@ class AuditCallback(keras.callbacks.Callback):
         report = type(report)(report.name, report.findings, ignore=self.ignore)
         self.report = report
         if self.log_dir is not None:
-            summaries.write_report(self.log_dir, report, step, extra=extra)
+            summaries.write_report(
+                self.log_dir,
+                report,
+                step,
+                extra=extra,
+                strategy=self.model.distribute_strategy,
+            )
         serious = report.at_least("warning")
         if not serious or self.on_finding == "ignore":
             return

@@ -77,7 +77,7 @@ class Dashboard(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._close()
-        if not is_chief():
+        if not is_chief(self.model.distribute_strategy):
             return
         self._writer = tf.summary.create_file_writer(self.log_dir)
         with self._writer.as_default():
