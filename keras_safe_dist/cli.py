@@ -1,9 +1,17 @@
-"""The `keras-safe-dist` command."""
+"""The `keras-safe-dist` command: `launch` and `doctor`.
+
+Each subcommand adds its parser in `_add_<name>` and runs in `_<name>(args)`,
+which returns the exit status; bad arguments exit with status 2.
+"""
 
 import argparse
+import json
 import sys
+import time
 
 from keras_safe_dist import launch as launch_module
+
+__all__ = ["build_parser", "main"]
 
 
 def _positive_int(text):
@@ -16,12 +24,35 @@ def _positive_int(text):
     return value
 
 
+def _replica_count(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 2 (the defects need several replicas), received {text!r}"
+        )
+    return value
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-safe-dist",
         description="Correct, observable data-parallel Keras training on tf.distribute.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_launch(commands)
+    _add_doctor(commands)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return _COMMANDS[args.command](args)
+
+
+def _add_launch(commands):
     launch = commands.add_parser(
         "launch",
         help="run a script as several local MultiWorkerMirroredStrategy workers",
@@ -35,20 +66,77 @@ def build_parser():
     launch.add_argument("--timeout", type=_positive_int, default=600, help="seconds before all workers are killed (default 600)")
     launch.add_argument("script", help="Python script each worker runs")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    return parser
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.command == "launch":
-        try:
-            return launch_module.launch(
-                args.script, workers=args.workers, args=args.script_args, timeout=args.timeout
-            )
-        except FileNotFoundError as error:
-            print(f"keras-safe-dist launch: {error}", file=sys.stderr)
-            return 2
-    return 2
+def _launch(args):
+    try:
+        return launch_module.launch(
+            args.script, workers=args.workers, args=args.script_args, timeout=args.timeout
+        )
+    except FileNotFoundError as error:
+        print(f"keras-safe-dist launch: {error}", file=sys.stderr)
+        return 2
+
+
+def _add_doctor(commands):
+    doctor = commands.add_parser(
+        "doctor",
+        help="compare stock Keras with SafeDistributedModel on every known defect",
+        description=(
+            "Splits the CPU into N logical devices, prints the Python, Keras and "
+            "TensorFlow versions, then runs one probe per known defect of "
+            "data-parallel Keras training, each comparing stock Keras with "
+            "SafeDistributedModel on the same tiny model and data. Exit status: "
+            "0 when SafeDistributedModel passes every probe, 1 otherwise, 2 for "
+            "bad arguments."
+        ),
+    )
+    doctor.add_argument(
+        "--replicas", type=_replica_count, default=2,
+        help="logical CPU devices to train on, integer >= 2 (default 2)",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument(
+        "--only", nargs="+", action="extend", metavar="NAME",
+        help="run only these probes (an unknown name lists the available ones)",
+    )
+
+
+def _doctor(args):
+    # Imported here: the doctor loads TensorFlow and Keras, `launch` does not.
+    from keras_safe_dist import doctor
+
+    try:
+        probes = doctor.select(args.only)
+    except ValueError as error:
+        print(f"keras-safe-dist doctor: {error}", file=sys.stderr)
+        return 2
+    try:
+        strategy = doctor.make_strategy(args.replicas)
+    except RuntimeError as error:
+        print(f"keras-safe-dist doctor: {error}", file=sys.stderr)
+        return 2
+    versions = doctor.versions()
+    print(doctor.render.header(versions, args.replicas), file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    results = doctor.run_probes(probes, strategy, progress=_print_progress)
+    print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(doctor.to_json(versions, args.replicas, results), indent=2))
+    else:
+        print(doctor.table(versions, args.replicas, results))
+    return doctor.exit_status(results)
+
+
+def _print_progress(index, total, probe, result):
+    prefix = f"[{index + 1}/{total}] {probe.name}"
+    if result is None:
+        print(f"{prefix} ...", file=sys.stderr, flush=True)
+    else:
+        print(f"{prefix}: {result.verdict} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
+
+
+_COMMANDS = {"launch": _launch, "doctor": _doctor}
 
 
 if __name__ == "__main__":
