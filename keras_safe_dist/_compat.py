@@ -14,6 +14,7 @@ from keras.src import backend as _keras_backend
 from keras.src.losses import loss as _keras_loss
 from keras.src.models.functional import Functional
 from keras.src.trainers import trainer as _keras_trainer
+from tensorflow.python.distribute import distribute_lib as _tf_distribute_lib
 
 # The class Keras instantiates for `Model(inputs=..., outputs=...)`.
 Functional = Functional
@@ -23,6 +24,26 @@ Functional = Functional
 reduce_weighted_values = _keras_loss.reduce_weighted_values
 apply_mask = _keras_loss.apply_mask
 squeeze_or_expand_to_same_rank = _keras_loss.squeeze_or_expand_to_same_rank
+
+
+def model_strategy(model):
+    """The strategy whose scope `model` was created under, or None."""
+    return model._distribute_strategy
+
+
+def default_strategy():
+    """TensorFlow's default (no-op) strategy, in use outside every scope."""
+    return _tf_distribute_lib._get_default_strategy()
+
+
+def distributed_strategy(value):
+    """The strategy that created a distributed variable."""
+    return value._distribute_strategy
+
+
+def flatten_layers(model):
+    """Every layer inside `model`, nested ones included, `model` excluded."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
 
 
 def compile_loss(model):

@@ -59,13 +59,16 @@ CODES = {
     ),
     # Training mode: layers that behave differently in training.
     "MODE001": Code(
-        "training mode", "error", "BatchNormalization statistics did not move"
+        "training mode", "error", "layer did not run in training mode"
     ),
     "MODE002": Code(
         "training mode", "error", "non-trainable state differs across replicas"
     ),
     "MODE003": Code(
         "training mode", "warning", "frozen BatchNormalization in a model being trained"
+    ),
+    "MODE004": Code(
+        "training mode", "info", "BatchNormalization statistics differ across replicas"
     ),
     # Non-finite values.
     "NAN001": Code("non-finite", "error", "non-finite value during training"),

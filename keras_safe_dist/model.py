@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist._update import UpdateEngine
+from keras_safe_dist.audits import scope as _scope
 
 _OPTIMIZER_OPTIONS = {
     "clipnorm": "clips each replica's gradient before the cross-replica all-reduce",
@@ -96,6 +97,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         )
         super().__init__(*args, **kwargs)
         self._set_options(options)
+        self._safe_dist_built_at = _scope.creation_site()
 
     def _set_options(self, options):
         self.gradient_accumulation_steps = options["gradient_accumulation_steps"]
@@ -131,16 +133,36 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         """Same as `keras.Model.compile`, refusing what cannot work distributed.
 
-        On several replicas `jit_compile="auto"` resolves to False.
+        Called outside every strategy scope, it runs under the strategy that
+        created the model, so an optimizer or metrics given by name and the
+        loss tracker are created there wherever `compile()` is called. Objects built
+        outside that strategy are refused here, with the line to move, instead
+        of failing later inside TensorFlow. On several replicas
+        `jit_compile="auto"` resolves to False.
 
         Raises:
+            ScopeError: when the model, the optimizer or a metric object was
+                built outside the strategy that trains the model.
             ValueError: when the optimizer carries `clipnorm`,
                 `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`;
                 or, on several replicas, for `jit_compile=True` or
                 `steps_per_execution > 1`.
         """
+        own = _compat.model_strategy(self)
+        if own is not None and not tf.distribute.has_strategy():
+            with own.scope():
+                return self.compile(optimizer, *args, **kwargs)
         optimizer = keras.optimizers.get(optimizer)
         _check_optimizer(optimizer)
+        metrics = [
+            m
+            for key in ("metrics", "weighted_metrics")
+            for m in keras.tree.flatten(kwargs.get(key) or [])
+            if isinstance(m, keras.metrics.Metric)
+        ]
+        _scope.check_scope(
+            "SafeDistributedModel.compile()", self, optimizer=optimizer, metrics=metrics
+        )
         super().compile(optimizer, *args, **kwargs)
         replicas = self.distribute_strategy.num_replicas_in_sync
         if replicas > 1 and self.jit_compile:
@@ -165,7 +187,13 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._update_engine = None
 
     def fit(self, *args, **kwargs):
-        """Same as `keras.Model.fit`; `batch_size` is the micro-batch size."""
+        """Same as `keras.Model.fit`; `batch_size` is the micro-batch size.
+
+        Raises:
+            ScopeError: when the model, the optimizer, the loss scale or a
+                metric was built outside the strategy that trains the model.
+        """
+        _scope.check_scope("SafeDistributedModel.fit()", self)
         position = _FIT_CALLBACKS_POSITION
         args = list(args)
         if len(args) > position:

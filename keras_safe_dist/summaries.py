@@ -52,12 +52,12 @@ def write_json(log_dir, filename, data):
     return path
 
 
-def write_report(log_dir, report, step=0):
+def write_report(log_dir, report, step=0, extra=None):
     """Writes an `AuditReport` to `log_dir`; chief only.
 
     Writes the markdown table as text under `audits/<name>`, the count of
     findings per severity as scalars under `audits/<name>/<severity>`, and
-    `audit_<name>.json`.
+    `audit_<name>.json` (the report's `to_dict()`, plus `extra` if given).
     """
     name = report.name.replace(" ", "_")
     write_text(log_dir, f"audits/{name}", report.to_markdown(), step)
@@ -66,7 +66,7 @@ def write_report(log_dir, report, step=0):
         {f"audits/{name}/{sev}": n for sev, n in report.counts().items()},
         step,
     )
-    write_json(log_dir, f"audit_{name}.json", report.to_dict())
+    write_json(log_dir, f"audit_{name}.json", {**report.to_dict(), **(extra or {})})
 
 
 class _writer:

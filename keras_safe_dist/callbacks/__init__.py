@@ -1,7 +1,19 @@
 """Callbacks for `fit()` under `tf.distribute`."""
 
+from keras_safe_dist.callbacks.aggregation_audit import AggregationAudit
+from keras_safe_dist.callbacks.audit_callback import AuditCallback
+from keras_safe_dist.callbacks.audit_callback import AuditError
+from keras_safe_dist.callbacks.audit_callback import AuditWarning
 from keras_safe_dist.callbacks.backup_and_restore import MultiWorkerBackupAndRestore
+from keras_safe_dist.callbacks.scope_audit import ScopeAudit
+from keras_safe_dist.callbacks.training_mode_audit import TrainingModeAudit
 
 __all__ = [
+    "AggregationAudit",
+    "AuditCallback",
+    "AuditError",
+    "AuditWarning",
     "MultiWorkerBackupAndRestore",
+    "ScopeAudit",
+    "TrainingModeAudit",
 ]

@@ -1,0 +1,53 @@
+"""`AggregationAudit`: how every variable is aggregated across replicas."""
+
+from keras_safe_dist.audits import aggregation_findings
+from keras_safe_dist.audits import training_strategy
+from keras_safe_dist.callbacks.audit_callback import AuditCallback
+from keras_safe_dist.findings import AuditReport
+
+__all__ = ["AggregationAudit"]
+
+
+class AggregationAudit(AuditCallback):
+    """Audits the aggregation of every variable when training begins.
+
+    Inspects each variable of the model, the optimizer (slots, iteration
+    counters, loss scale) and the metrics: its path, owner, Keras aggregation
+    and synchronization, the `tf.VariableAggregation` it maps to, its
+    container (`mirrored`, `on-read` or `plain`) and devices, all kept in
+    `.variables` and written to `audit_aggregation.json`. Flags:
+
+    - `AGG001`: a trainable variable whose aggregation is not `none`.
+    - `AGG002`: an optimizer slot whose aggregation is not `none`.
+    - `AGG003`: an on-write variable with `sum` aggregation.
+    - `AGG004`: metric state that is not replica-local (on-read).
+    - `AGG005`: a plain variable in a model trained under a strategy.
+    - `AGG006`: an integer variable with `mean` aggregation.
+
+    Args:
+        log_dir: where to write the report; None writes nothing.
+        on_finding: `"warn"`, `"raise"` or `"ignore"`; see `AuditCallback`.
+        ignore: finding codes to drop.
+
+    Example:
+
+    ```python
+    audit = keras_safe_dist.callbacks.AggregationAudit(log_dir="logs")
+    model.fit(x, y, callbacks=[audit])
+    print(audit.report.to_markdown())
+    ```
+    """
+
+    name = "aggregation"
+
+    def __init__(self, log_dir=None, on_finding="warn", ignore=()):
+        super().__init__(log_dir=log_dir, on_finding=on_finding, ignore=ignore)
+        self.variables = []
+
+    def on_train_begin(self, logs=None):
+        strategy = training_strategy(self.model)
+        findings, self.variables = aggregation_findings(self.model, strategy)
+        self.publish(
+            AuditReport(self.name, findings),
+            extra={"variables": [v.to_dict() for v in self.variables]},
+        )

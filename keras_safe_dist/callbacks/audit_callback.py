@@ -1,0 +1,103 @@
+"""The base of the audit callbacks: reporting, silencing and acting on findings."""
+
+import os
+import warnings
+
+import keras
+
+from keras_safe_dist import summaries
+from keras_safe_dist.findings import CODES
+
+__all__ = ["AuditCallback", "AuditError", "AuditWarning"]
+
+_ON_FINDING = ("warn", "raise", "ignore")
+
+
+class AuditWarning(UserWarning):
+    """Warned by an audit callback with `on_finding="warn"`."""
+
+
+class AuditError(RuntimeError):
+    """Raised by an audit callback with `on_finding="raise"`.
+
+    Attributes:
+        report: the `AuditReport` holding the findings.
+    """
+
+    def __init__(self, report):
+        self.report = report
+        super().__init__(describe(report))
+
+
+class AuditCallback(keras.callbacks.Callback):
+    """Runs checks at chosen moments of `fit()` and reports their findings.
+
+    A report is written to `log_dir` (markdown table as TensorBoard text
+    under `audits/<name>`, counts per severity as scalars, and
+    `audit_<name>.json`), kept in `.report`, then acted on: `"warn"` issues
+    one `AuditWarning` listing the warnings and errors, `"raise"` raises an
+    `AuditError` when there is a warning or an error, `"ignore"` does
+    neither. Findings of severity `info` are only reported.
+
+    Args:
+        log_dir: where to write the report; None writes nothing.
+        on_finding: `"warn"`, `"raise"` or `"ignore"`.
+        ignore: finding codes to drop, e.g. `("MODE003",)`.
+    """
+
+    name = None
+
+    def __init__(self, log_dir=None, on_finding="warn", ignore=()):
+        super().__init__()
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(
+                "`log_dir` must be a path (str or os.PathLike) or None. "
+                f"Received: log_dir={log_dir!r}"
+            )
+        if on_finding not in _ON_FINDING:
+            raise ValueError(
+                f"`on_finding` must be one of {_ON_FINDING}. "
+                f"Received: on_finding={on_finding!r}"
+            )
+        if isinstance(ignore, str) or not all(isinstance(c, str) for c in ignore):
+            raise TypeError(
+                "`ignore` must be a list or tuple of finding codes, e.g. "
+                f"ignore=['MODE003']. Received: ignore={ignore!r}"
+            )
+        unknown = [code for code in ignore if code not in CODES]
+        if unknown:
+            raise ValueError(
+                f"Unknown finding codes in `ignore`: {unknown}. "
+                f"Available: {', '.join(CODES)}"
+            )
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.on_finding = on_finding
+        self.ignore = tuple(ignore)
+        self.report = None
+
+    def publish(self, report, step=0, extra=None):
+        """Keeps, writes and acts on `report`.
+
+        Args:
+            report: an `AuditReport`; codes in `ignore` are dropped first.
+            step: the TensorBoard step to write at.
+            extra: more JSON-ready data for `audit_<name>.json`.
+        """
+        report = type(report)(report.name, report.findings, ignore=self.ignore)
+        self.report = report
+        if self.log_dir is not None:
+            summaries.write_report(self.log_dir, report, step, extra=extra)
+        serious = report.at_least("warning")
+        if not serious or self.on_finding == "ignore":
+            return
+        if self.on_finding == "raise":
+            raise AuditError(report)
+        warnings.warn(describe(report), AuditWarning, stacklevel=2)
+
+
+def describe(report):
+    """The summary line, then one line per warning or error."""
+    lines = [report.summary()]
+    for f in report.at_least("warning"):
+        lines.append(f"[{f.code}] {f.severity} {f.subject}: {f.message} Fix: {f.fix}")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""`TrainingModeAudit`: layers that behave differently in training did so."""
+
+import numbers
+import threading
+
+from keras_safe_dist.audits import TrainingModeSnapshot
+from keras_safe_dist.audits import frozen_batch_norm_findings
+from keras_safe_dist.callbacks.audit_callback import AuditCallback
+from keras_safe_dist.findings import AuditReport
+
+__all__ = ["TrainingModeAudit"]
+
+
+class TrainingModeAudit(AuditCallback):
+    """Checks after the first training steps that training mode was on.
+
+    At train begin it flags each BatchNormalization with `trainable=False`
+    in a model being trained (`MODE003`) and takes a snapshot of the state
+    that only training mode changes. After `check_after_steps` batches it
+    compares:
+
+    - `MODE001`: a trainable BatchNormalization whose moving statistics did
+      not move, or a Dropout / GaussianDropout / GaussianNoise /
+      AlphaDropout layer whose seed did not advance: the layer ran in
+      inference mode (e.g. a train step calling the model with
+      `training=False`).
+    - `MODE002`: a mirrored non-trainable variable whose copies differ
+      across replicas.
+    - `MODE004` (info): a BatchNormalization whose moving statistics differ
+      across replicas (each replica updates its own copy).
+
+    The report is published once, at that step (or at train end when fewer
+    steps ran). The batch hook reads variables only on that one batch and is
+    safe for Keras's asynchronous batch-callback dispatch, so training never
+    waits on it.
+
+    Args:
+        check_after_steps: training batches to run before comparing. Integer
+            >= 1.
+        log_dir: where to write the report; None writes nothing.
+        on_finding: `"warn"`, `"raise"` or `"ignore"`; see `AuditCallback`.
+        ignore: finding codes to drop.
+    """
+
+    name = "training_mode"
+
+    def __init__(self, check_after_steps=2, log_dir=None, on_finding="warn", ignore=()):
+        super().__init__(log_dir=log_dir, on_finding=on_finding, ignore=ignore)
+        if (
+            isinstance(check_after_steps, bool)
+            or not isinstance(check_after_steps, numbers.Integral)
+            or check_after_steps < 1
+        ):
+            raise ValueError(
+                "`check_after_steps` must be an integer >= 1. "
+                f"Received: check_after_steps={check_after_steps!r}"
+            )
+        self.check_after_steps = int(check_after_steps)
+        # Batch hooks may run on Keras's dispatch threads.
+        self.async_safe = True
+        self._lock = threading.Lock()
+        self._snapshot = None
+        self._frozen = []
+        self._steps = 0
+
+    def on_train_begin(self, logs=None):
+        self._frozen = frozen_batch_norm_findings(self.model)
+        self._snapshot = TrainingModeSnapshot(self.model)
+        self._steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        with self._lock:
+            if self._snapshot is None:
+                return
+            self._steps += 1
+            if self._steps >= self.check_after_steps:
+                self._check()
+
+    def on_train_end(self, logs=None):
+        with self._lock:
+            if self._snapshot is not None:
+                self._check()
+
+    def _check(self):
+        snapshot, self._snapshot = self._snapshot, None
+        findings = list(self._frozen)
+        if self._steps:
+            findings += snapshot.findings()
+        self.publish(AuditReport(self.name, findings), step=self._steps)
