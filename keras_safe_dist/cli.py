@@ -6,6 +6,7 @@ which returns the exit status; bad arguments exit with status 2.
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -104,7 +105,13 @@ def _add_doctor(commands):
 
 def _doctor(args):
     # Imported here: the doctor loads TensorFlow and Keras, `launch` does not.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
     from keras_safe_dist import doctor
+
+    # Each probe traces fresh models on purpose; retracing warnings are noise.
+    tf.get_logger().setLevel("ERROR")
 
     try:
         probes = doctor.select(args.only)
