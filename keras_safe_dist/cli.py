@@ -124,14 +124,18 @@ def _doctor(args):
         print(f"keras-safe-dist doctor: {error}", file=sys.stderr)
         return 2
     versions = doctor.versions()
-    print(doctor.render.header(versions, args.replicas), file=sys.stderr, flush=True)
+    # The versions come first; with --json stdout holds nothing but the JSON.
+    print(
+        doctor.header(versions, args.replicas),
+        file=sys.stderr if args.json else sys.stdout, flush=True,
+    )
     start = time.perf_counter()
     results = doctor.run_probes(probes, strategy, progress=_print_progress)
     print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(doctor.to_json(versions, args.replicas, results), indent=2))
     else:
-        print(doctor.table(versions, args.replicas, results))
+        print(doctor.table(versions, args.replicas, results, with_header=False))
     return doctor.exit_status(results)
 
 

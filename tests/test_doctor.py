@@ -178,6 +178,8 @@ def test_table_shows_versions_cells_verdicts_and_summary():
         "SafeDistributedModel passed 2 of 3 probes; stock Keras showed the defect in 1."
     )
     assert doctor.exit_status(fake_results()) == 1
+    bare = doctor.table(versions, 2, fake_results(), with_header=False)
+    assert bare.splitlines() == text.splitlines()[2:]
 
 
 def test_json_report_replaces_non_finite_figures():

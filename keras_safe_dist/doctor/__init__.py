@@ -9,6 +9,7 @@ side whether it behaved correctly and the measured figure. See the README's
 from keras_safe_dist.doctor.probe import Probe
 from keras_safe_dist.doctor.probe import Side
 from keras_safe_dist.doctor.probes import PROBES
+from keras_safe_dist.doctor.render import header
 from keras_safe_dist.doctor.render import table
 from keras_safe_dist.doctor.render import to_json
 from keras_safe_dist.doctor.runner import MIN_REPLICAS
@@ -26,6 +27,7 @@ __all__ = [
     "Result",
     "Side",
     "exit_status",
+    "header",
     "make_strategy",
     "run_probes",
     "select",

@@ -33,8 +33,15 @@ def header(versions, replicas):
     )
 
 
-def table(versions, replicas, results):
-    """The report as a fixed-width text table with wrapped cells and a summary line."""
+def table(versions, replicas, results, with_header=True):
+    """The report as a fixed-width text table with wrapped cells and a summary line.
+
+    Args:
+        versions: as returned by `versions()`.
+        replicas: the number of replicas the probes ran on.
+        results: a list of `Result`.
+        with_header: start with the `header()` line.
+    """
     rows = [[name for name, _ in _COLUMNS]]
     for result in results:
         rows.append([
@@ -46,7 +53,7 @@ def table(versions, replicas, results):
         ])
     widths = [width for _, width in _COLUMNS]
     rule = "+-" + "-+-".join("-" * width for width in widths) + "-+"
-    lines = [header(versions, replicas), "", rule]
+    lines = [header(versions, replicas), "", rule] if with_header else [rule]
     for number, row in enumerate(rows):
         wrapped = [textwrap.wrap(text, width) or [""] for text, width in zip(row, widths)]
         for i in range(max(len(cell) for cell in wrapped)):
