@@ -1,10 +1,18 @@
-"""The `keras-safe-dist` command."""
+"""The `keras-safe-dist` command: `launch`, `doctor` and `report`.
+
+Each subcommand adds its parser in `_add_<name>` and runs in `_<name>(args)`,
+which returns the exit status; bad arguments exit with status 2.
+"""
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from keras_safe_dist import launch as launch_module
+
+__all__ = ["build_parser", "main"]
 
 
 def _positive_int(text):
@@ -17,12 +25,36 @@ def _positive_int(text):
     return value
 
 
+def _replica_count(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 2 (the defects need several replicas), received {text!r}"
+        )
+    return value
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-safe-dist",
         description="Correct, observable data-parallel Keras training on tf.distribute.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_launch(commands)
+    _add_doctor(commands)
+    _add_report(commands)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return _COMMANDS[args.command](args)
+
+
+def _add_launch(commands):
     launch = commands.add_parser(
         "launch",
         help="run a script as several local MultiWorkerMirroredStrategy workers",
@@ -36,6 +68,87 @@ def build_parser():
     launch.add_argument("--timeout", type=_positive_int, default=600, help="seconds before all workers are killed (default 600)")
     launch.add_argument("script", help="Python script each worker runs")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _launch(args):
+    try:
+        return launch_module.launch(
+            args.script, workers=args.workers, args=args.script_args, timeout=args.timeout
+        )
+    except FileNotFoundError as error:
+        print(f"keras-safe-dist launch: {error}", file=sys.stderr)
+        return 2
+
+
+def _add_doctor(commands):
+    doctor = commands.add_parser(
+        "doctor",
+        help="compare stock Keras with SafeDistributedModel on every known defect",
+        description=(
+            "Splits the CPU into N logical devices, prints the Python, Keras and "
+            "TensorFlow versions, then runs one probe per known defect of "
+            "data-parallel Keras training, each comparing stock Keras with "
+            "SafeDistributedModel on the same tiny model and data. Exit status: "
+            "0 when SafeDistributedModel passes every probe, 1 otherwise, 2 for "
+            "bad arguments."
+        ),
+    )
+    doctor.add_argument(
+        "--replicas", type=_replica_count, default=2,
+        help="logical CPU devices to train on, integer >= 2 (default 2)",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument(
+        "--only", nargs="+", action="extend", metavar="NAME",
+        help="run only these probes (an unknown name lists the available ones)",
+    )
+
+
+def _doctor(args):
+    # Imported here: the doctor loads TensorFlow and Keras, `launch` does not.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    from keras_safe_dist import doctor
+
+    # Each probe traces fresh models on purpose; retracing warnings are noise.
+    tf.get_logger().setLevel("ERROR")
+
+    try:
+        probes = doctor.select(args.only)
+    except ValueError as error:
+        print(f"keras-safe-dist doctor: {error}", file=sys.stderr)
+        return 2
+    try:
+        strategy = doctor.make_strategy(args.replicas)
+    except RuntimeError as error:
+        print(f"keras-safe-dist doctor: {error}", file=sys.stderr)
+        return 2
+    versions = doctor.versions()
+    # The versions come first; with --json stdout holds nothing but the JSON.
+    print(
+        doctor.header(versions, args.replicas),
+        file=sys.stderr if args.json else sys.stdout, flush=True,
+    )
+    start = time.perf_counter()
+    results = doctor.run_probes(probes, strategy, progress=_print_progress)
+    print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(doctor.to_json(versions, args.replicas, results), indent=2))
+    else:
+        print(doctor.table(versions, args.replicas, results, with_header=False))
+    return doctor.exit_status(results)
+
+
+def _print_progress(index, total, probe, result):
+    prefix = f"[{index + 1}/{total}] {probe.name}"
+    if result is None:
+        print(f"{prefix} ...", file=sys.stderr, flush=True)
+    else:
+        print(f"{prefix}: {result.verdict} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
+
+
+def _add_report(commands):
     report = commands.add_parser(
         "report",
         help="print the findings, NaN onset and update statistics in a log directory",
@@ -43,7 +156,9 @@ def build_parser():
             "Reads what keras_safe_dist callbacks wrote under LOGDIR (audit "
             "reports, nan_onset.json, TensorBoard event files) and prints the "
             "findings, the NaN onset if any and the update statistics of each "
-            "run. Exits 1 when findings at or above --fail-on exist."
+            "run. Exit status: 0 when no finding is at or above --fail-on, 1 "
+            "otherwise, 2 for a missing log directory or one with nothing to "
+            "report."
         ),
     )
     report.add_argument("log_dir", metavar="LOGDIR", help="the log directory given to the callbacks")
@@ -54,7 +169,6 @@ def build_parser():
         default="error",
         help="exit 1 when findings of this severity or worse exist (default error)",
     )
-    return parser
 
 
 def _report(args):
@@ -80,19 +194,7 @@ def _report(args):
     return 1 if report.failing(args.fail_on) else 0
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.command == "report":
-        return _report(args)
-    if args.command == "launch":
-        try:
-            return launch_module.launch(
-                args.script, workers=args.workers, args=args.script_args, timeout=args.timeout
-            )
-        except FileNotFoundError as error:
-            print(f"keras-safe-dist launch: {error}", file=sys.stderr)
-            return 2
-    return 2
+_COMMANDS = {"launch": _launch, "doctor": _doctor, "report": _report}
 
 
 if __name__ == "__main__":

@@ -41,29 +41,43 @@ def tf_config(ports, index):
 class WorkerGroup:
     """Local worker processes of one cluster, started and stopped together.
 
-    Each worker runs `python script *args` with its own `TF_CONFIG`, in its
-    own process group. Output lines are passed to `on_line(index, line)`,
+    Each worker runs `python script *args` (or `python -m module *args`) with
+    its own `TF_CONFIG`, in its own process group. Output lines are passed to `on_line(index, line)`,
     which by default prints them with a `[worker i]` prefix.
 
     Args:
         script: path of the Python script every worker runs. It must create
             its `MultiWorkerMirroredStrategy` before any other TensorFlow op.
+            None when `module` is given.
         workers: number of workers, integer >= 1.
         args: extra command-line arguments for the script.
         env: extra environment variables for every worker.
         on_line: called with (worker index, output line without newline).
+        module: name of a module every worker runs with `python -m`, instead
+            of `script`.
+
+    Raises:
+        ValueError: for a bad worker count, or not exactly one of `script`
+            and `module`.
+        FileNotFoundError: when `script` is not a file.
     """
 
-    def __init__(self, script, workers=2, args=(), env=None, on_line=None):
+    def __init__(self, script, workers=2, args=(), env=None, on_line=None, module=None):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(
                 f"`workers` must be an integer >= 1. Received: workers={workers!r}"
             )
-        if not os.path.isfile(script):
+        if (script is None) == (module is None):
+            raise ValueError(
+                "Pass exactly one of `script` and `module`. "
+                f"Received: script={script!r}, module={module!r}"
+            )
+        if script is not None and not os.path.isfile(script):
             raise FileNotFoundError(
                 f"No script to launch at {script!r}. Pass the path of a Python file."
             )
         self.script = script
+        self.module = module
         self.workers = workers
         self.args = [str(a) for a in args]
         self.env = dict(env or {})
@@ -74,11 +88,12 @@ class WorkerGroup:
 
     def start(self):
         ports = free_ports(self.workers)
+        program = [self.script] if self.module is None else ["-m", self.module]
         for index in range(self.workers):
             env = dict(os.environ, **self.env, TF_CONFIG=tf_config(ports, index))
             env.setdefault("PYTHONUNBUFFERED", "1")
             process = subprocess.Popen(
-                [sys.executable, self.script, *self.args],
+                [sys.executable, *program, *self.args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -6,6 +6,7 @@ import pytest
 
 from keras_safe_dist import cli
 from keras_safe_dist import is_chief
+from keras_safe_dist.launch import WorkerGroup
 from keras_safe_dist.launch import free_ports
 from keras_safe_dist.launch import tf_config
 
@@ -71,3 +72,26 @@ def test_missing_script_exits_2(tmp_path, capsys):
 def test_single_process_strategies_are_chief():
     assert is_chief(strategy_for(1)) is True
     assert is_chief(strategy_for(2)) is True
+
+
+def test_worker_group_runs_a_module_with_python_m(tmp_path):
+    package = tmp_path / "pkg_for_launch"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "hello.py").write_text(
+        "import json, os, sys\n"
+        "print(json.loads(os.environ['TF_CONFIG'])['task']['index'], __name__, sys.argv[1:])\n"
+    )
+    lines = []
+    group = WorkerGroup(
+        None, workers=2, args=["--x", "1"], env={"PYTHONPATH": str(tmp_path)},
+        on_line=lambda index, line: lines.append((index, line)), module="pkg_for_launch.hello",
+    ).start()
+    assert group.wait(60) == [0, 0]
+    assert sorted(lines) == [(0, "0 __main__ ['--x', '1']"), (1, "1 __main__ ['--x', '1']")]
+
+
+@pytest.mark.parametrize("script,module", [(None, None), ("a.py", "pkg.mod")])
+def test_worker_group_needs_exactly_one_of_script_and_module(script, module):
+    with pytest.raises(ValueError, match=f"Received: script={script!r}, module={module!r}"):
+        WorkerGroup(script, module=module)

@@ -1,0 +1,240 @@
+"""`keras-safe-dist doctor`: each probe's figures, the report, the command line."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from keras_safe_dist import cli
+from keras_safe_dist import doctor
+from keras_safe_dist.doctor.probe import TOLERANCE
+from keras_safe_dist.doctor.probe import Probe
+from keras_safe_dist.doctor.probe import Side
+from keras_safe_dist.doctor.probe import measure
+from keras_safe_dist.doctor.probe import one_line
+from keras_safe_dist.doctor.probes import clipping
+from keras_safe_dist.doctor.probes import identity_nan
+from keras_safe_dist.doctor.probes import multi_worker
+from keras_safe_dist.doctor.probes import nonfinite
+from keras_safe_dist.doctor.probes import optimizer_accumulation
+from keras_safe_dist.doctor.probes import sum_aggregation
+from keras_safe_dist.doctor.probes import uneven_accumulation
+from keras_safe_dist.doctor.probes import uneven_first_batch
+from keras_safe_dist.doctor.probes import uneven_split
+
+from conftest import mirrored_strategy
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NAMES = [
+    "clip-before-allreduce",
+    "optimizer-accumulation",
+    "uneven-accumulation",
+    "uneven-replica-split",
+    "uneven-first-batch",
+    "multi-worker-fit",
+    "identity-nan",
+    "sum-aggregation",
+    "nonfinite-skip",
+]
+
+
+def run(probe):
+    stock, safe = probe.PROBE.run(mirrored_strategy())
+    return stock, safe
+
+
+# Each probe on the tests' two replicas: stock shows its defect with the
+# figure measured on keras 3.15.1 / tensorflow 2.21.0, the safe side passes.
+
+
+def test_clipping_probe_stock_update_is_longer_than_clipped_safe_is_exact():
+    stock, safe = run(clipping)
+    assert stock.ok is False and 1.5 < stock.figure < 2.0  # 1.67 measured
+    assert safe.ok is True and abs(safe.figure - 1.0) <= TOLERANCE
+
+
+def test_optimizer_accumulation_probe_stock_crashes_safe_applies_two_updates():
+    stock, safe = run(optimizer_accumulation)
+    assert stock.ok is False
+    assert stock.figure.startswith("RuntimeError: `merge_call` called while defining")
+    assert safe == Side(True, 2)
+
+
+def test_uneven_accumulation_probe_stock_weights_micro_batches_equally():
+    stock, safe = run(uneven_accumulation)
+    assert stock.ok is False and 0.1 < stock.figure < 0.25  # 0.175 measured
+    assert safe.ok is True and safe.figure <= TOLERANCE
+
+
+def test_uneven_split_probe_stock_overweights_the_emptier_replica():
+    stock, safe = run(uneven_split)
+    assert stock.ok is False and 0.01 < stock.figure < 0.05  # 0.0276 measured
+    assert safe.ok is True and safe.figure <= TOLERANCE
+
+
+def test_uneven_first_batch_probe_stock_crashes_building_the_model():
+    stock, safe = run(uneven_first_batch)
+    assert stock.ok is False
+    assert stock.figure.startswith("InvalidArgumentError: Inputs to operation AddN")
+    assert safe.ok is True and safe.figure <= TOLERANCE
+
+
+def test_multi_worker_probe_stock_cannot_fit_safe_matches_one_device():
+    stock, safe = run(multi_worker)
+    assert stock.ok is False
+    assert stock.figure.startswith("ValueError: Attempt to convert a value (PerReplica)")
+    assert safe.ok is True and safe.figure <= TOLERANCE
+
+
+def test_multi_worker_probe_is_skipped_with_a_reason_when_no_port_binds(monkeypatch):
+    def refuse(count):
+        raise OSError("Address family not supported")
+
+    monkeypatch.setattr("keras_safe_dist.launch.free_ports", refuse)
+    stock, safe = multi_worker.run()
+    reason = "skipped: cannot bind a port on 127.0.0.1 (Address family not supported)"
+    assert stock == Side(None, reason) and safe == Side(None, reason)
+    result = doctor.Result(multi_worker.PROBE, stock, safe, 0.0)
+    assert result.verdict == "skipped"
+    assert doctor.exit_status([result]) == 0
+
+
+def test_identity_probe_loss_is_exact_on_both_sides():
+    stock, safe = run(identity_nan)
+    assert stock == Side(True, 1.0)  # fixed since Keras 3.10
+    assert safe == Side(True, 1.0)
+
+
+def test_sum_aggregation_probe_stock_grows_exponentially_audit_reports_agg003():
+    stock, safe = run(sum_aggregation)
+    assert stock == Side(False, 30.0)  # 2, 6, 14, 30: not 2 per step
+    assert safe == Side(True, "AGG003 step_counter/count")
+
+
+def test_nonfinite_probe_stock_changes_every_state_variable_safe_none():
+    stock, safe = run(nonfinite)
+    # 4 weights, 8 Adam moments and the iteration counter; not the learning rate.
+    assert stock == Side(False, 13)
+    assert safe == Side(True, 0)
+
+
+# Records, rendering and selection.
+
+
+def test_probes_run_in_the_documented_order_with_unique_names():
+    assert [probe.name for probe in doctor.PROBES] == NAMES
+    assert [p.name for p in doctor.select(["nonfinite-skip", "clip-before-allreduce"])] == [
+        "clip-before-allreduce", "nonfinite-skip",
+    ]
+
+
+def test_select_rejects_unknown_names_listing_the_available_ones():
+    with pytest.raises(ValueError, match="Unknown probe name\\(s\\): nope. Available: clip-before"):
+        doctor.select(["nope"])
+
+
+def test_probe_name_must_be_a_slug():
+    with pytest.raises(ValueError, match="Received: name='Not A Slug'"):
+        Probe("Not A Slug", "checks", lambda strategy: None)
+
+
+def test_measure_turns_an_exception_into_a_failed_side_in_one_line():
+    def crash():
+        raise RuntimeError(
+            "Exception encountered when calling Cond.call().\n\n\x1b[1mThe real "
+            "reason is here. More text follows.\x1b[0m\n\nArguments received"
+        )
+
+    assert measure(crash) == Side(False, "RuntimeError: The real reason is here.")
+    assert one_line(ValueError("(PerReplica:{\n  0: big\n  1: dump\n}) to a Tensor.")) == (
+        "ValueError: (PerReplica) to a Tensor."
+    )
+
+
+def fake_results():
+    probes = doctor.PROBES
+    return [
+        doctor.Result(probes[0], Side(False, 1.67), Side(True, 1.0), 1.0),
+        doctor.Result(probes[1], Side(True, 2), Side(True, 2), 1.0),
+        doctor.Result(probes[2], Side(False, 0.17), Side(False, "KeyError: 'x'"), 1.0),
+    ]
+
+
+def test_table_shows_versions_cells_verdicts_and_summary():
+    versions = {"python": "3.11", "keras": "3.15.1", "tensorflow": "2.21.0", "keras_safe_dist": "0.1.0"}
+    text = doctor.table(versions, 2, fake_results())
+    assert text.splitlines()[0] == (
+        "keras-safe-dist doctor: Python 3.11, Keras 3.15.1, TensorFlow 2.21.0, "
+        "keras_safe_dist 0.1.0; 2 replicas (logical CPU devices)"
+    )
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[1].split("|")[3:6] == [" defect: 1.67               ", " ok: 1                      ", " fixed    "]
+    assert rows[1 + 3].split("|")[5] == " stock ok "  # first line of the second probe
+    assert "FAIL: KeyError: 'x'" in text
+    assert text.splitlines()[-1] == (
+        "SafeDistributedModel passed 2 of 3 probes; stock Keras showed the defect in 1."
+    )
+    assert doctor.exit_status(fake_results()) == 1
+    bare = doctor.table(versions, 2, fake_results(), with_header=False)
+    assert bare.splitlines() == text.splitlines()[2:]
+
+
+def test_json_report_replaces_non_finite_figures():
+    result = doctor.Result(doctor.PROBES[6], Side(False, float("nan")), Side(True, 1.0), 0.5)
+    data = doctor.to_json({"python": "3.11"}, 2, [result])
+    assert data["probes"][0]["stock"] == {"ok": False, "figure": "nan"}
+    assert json.loads(json.dumps(data)) == data
+
+
+def test_strategy_needs_two_replicas_and_a_fresh_process():
+    with pytest.raises(ValueError, match="Received: replicas=1"):
+        doctor.make_strategy(1)
+    with pytest.raises(RuntimeError, match="needs 3 logical CPU devices, but TensorFlow was already initialised with 2"):
+        doctor.make_strategy(3)
+
+
+# The command line.
+
+
+def test_unknown_probe_name_exits_2_listing_available_names(capsys):
+    assert cli.main(["doctor", "--only", "clip-before-allreduce", "nope"]) == 2
+    error = capsys.readouterr().err
+    assert "Unknown probe name(s): nope." in error
+    assert "Available: " + ", ".join(NAMES) in error
+
+
+@pytest.mark.parametrize("value", ["1", "0", "-2", "two", "2.5"])
+def test_bad_replicas_exit_2_with_the_rule(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["doctor", "--replicas", value])
+    assert exit_info.value.code == 2
+    assert f"expected an integer >= 2 (the defects need several replicas), received {value!r}" in (
+        capsys.readouterr().err
+    )
+
+
+def test_doctor_json_run_passes_every_probe_for_safe_distributed_model():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    process = subprocess.run(
+        [sys.executable, "-m", "keras_safe_dist", "doctor", "--json"],
+        capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    report = json.loads(process.stdout)
+    assert set(report["versions"]) == {"python", "keras", "tensorflow", "keras_safe_dist"}
+    assert report["replicas"] == 2
+    assert [probe["name"] for probe in report["probes"]] == NAMES
+    for probe in report["probes"]:
+        assert set(probe) == {"name", "checks", "stock", "safe", "verdict", "seconds"}
+        assert probe["checks"]
+        for side in ("stock", "safe"):
+            assert set(probe[side]) == {"ok", "figure"}
+            assert isinstance(probe[side]["figure"], (int, float, str))
+        assert probe["safe"]["ok"] is True, probe
+    # Progress goes to stderr, one line before and after each probe.
+    assert "[9/9] nonfinite-skip: fixed" in process.stderr
+    defects = [p["name"] for p in report["probes"] if p["stock"]["ok"] is False]
+    assert defects == [name for name in NAMES if name != "identity-nan"]
