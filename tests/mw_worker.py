@@ -22,6 +22,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
+from keras_safe_dist import callbacks as safe_callbacks  # noqa: E402
 from keras_safe_dist import is_chief  # noqa: E402
 from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore  # noqa: E402
 
@@ -74,6 +75,7 @@ def main():
     parser.add_argument("--backup", default=None)
     parser.add_argument("--inputs", default="numpy,dataset")
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--log-dir", default=None, help="one log directory shared by all workers")
     args = parser.parse_args()
     x, y = data()
     results = {"chief": is_chief(STRATEGY)}
@@ -82,6 +84,15 @@ def main():
         callbacks = [Progress(args.delay)]
         if args.backup:
             callbacks.insert(0, MultiWorkerBackupAndRestore(args.backup))
+        audits = []
+        if args.log_dir:
+            log_dir = os.path.join(args.log_dir, inputs)
+            audits = [
+                safe_callbacks.ScopeAudit(log_dir=log_dir),
+                safe_callbacks.AggregationAudit(log_dir=log_dir),
+                safe_callbacks.TrainingModeAudit(log_dir=log_dir),
+            ]
+            callbacks += audits + [safe_callbacks.Dashboard(log_dir)]
         if inputs == "numpy":
             history = model.fit(x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
         else:
@@ -91,6 +102,8 @@ def main():
             "weights": [w.tolist() for w in model.get_weights()],
             "history": history.history,
             "iterations": int(model.optimizer.iterations.numpy()),
+            "audits": [audit.report.summary() for audit in audits],
+            "pid": os.getpid(),
         }
     print("RESULT " + json.dumps(results), flush=True)
     return 0

@@ -58,8 +58,9 @@ def weights(result, inputs):
     return [np.array(w, dtype="float32") for w in result[inputs]["weights"]]
 
 
-def test_two_workers_match_single_process_runs():
-    codes, results, lines = run_workers(["--steps", "2", "--clipnorm", "1.0", "--epochs", "2"])
+def test_two_workers_match_single_process_runs(tmp_path):
+    log_dir = tmp_path / "logs"
+    codes, results, lines = run_workers(["--steps", "2", "--clipnorm", "1.0", "--epochs", "2", "--log-dir", str(log_dir)])
     assert codes == [0, 0], [line for _, line in lines][-20:]
     assert results[0]["chief"] is True and results[1]["chief"] is False
     reference = one_device_reference(epochs=2, steps=2, clipnorm=1.0)
@@ -78,6 +79,17 @@ def test_two_workers_match_single_process_runs():
         assert results[0][inputs]["iterations"] == 6
         assert results[0][inputs]["history"]["samples_per_update"] == [5.0, 5.0]
         assert results[0][inputs]["history"] == results[1][inputs]["history"]
+        # Every worker audits alike; only the chief writes the reports and events.
+        assert results[0][inputs]["audits"] == results[1][inputs]["audits"] == [
+            f"{name} audit: 0 errors, 0 warnings, 0 info" for name in ("scope", "aggregation", "training_mode")
+        ]
+        written = sorted(p.name for p in (log_dir / inputs).iterdir())
+        assert [n for n in written if n.endswith(".json")] == [
+            "audit_aggregation.json", "audit_scope.json", "audit_training_mode.json",
+        ]
+        # events.out.tfevents.<time>.<host>.<pid>.<index>.v2
+        writers = {n.rsplit(".", 3)[1] for n in written if ".tfevents." in n}
+        assert writers == {str(results[0][inputs]["pid"])}
 
 
 def test_killed_worker_resumes_from_backup_and_matches_uninterrupted_run(tmp_path):
