@@ -1,0 +1,244 @@
+"""In-graph non-finite checks for `SafeDistributedModel`'s train step.
+
+`NaNOnsetDetector` asks for them; the model builds a `NaNProbe` with its train
+function. Each step, every replica checks its own share of the inputs, its
+micro-batch loss and its local gradients, and every replica checks the weights
+after the update (the same on all replicas). The flags leave the step as four
+scalar log entries, which Keras MEAN-reduces across replicas; each is scaled
+by the number of replicas first, so the reduced value is an exact sum:
+
+- `nonfinite_replicas`: sum over replicas r of `2**r` if replica r saw a
+  non-finite input, loss or gradient (a bitmask; with more than 24 replicas,
+  the number of such replicas).
+- `nonfinite_kinds`: sum over replicas of `inputs + 256 * loss + 65536 *
+  gradients` (how many replicas saw each kind).
+- `nonfinite_weights`: 1 when a weight is non-finite after the update.
+- `applied_updates`: updates applied so far this epoch.
+
+No extra collective and no host round trip: the values travel with the logs
+Keras already returns. On the first step a replica fires, a `tf.cond` with no
+synchronization inside copies that replica's share of the batch into
+replica-local variables, so the detector can replay it. For `action="restore"`
+every step also copies the weights and the optimizer state into replica-local
+variables before the forward pass (one copy of the model and its slots).
+"""
+
+from typing import NamedTuple
+
+import keras
+import tensorflow as tf
+
+from keras_safe_dist import _update
+
+__all__ = ["LOG_NAMES", "NaNProbe", "ProbeRequest", "decode", "request_from"]
+
+LOG_NAMES = ("nonfinite_replicas", "nonfinite_kinds", "nonfinite_weights", "applied_updates")
+LOCAL_KINDS = ("inputs", "loss", "gradients")
+_KIND_BASE = 256
+MAX_REPLICAS = _KIND_BASE - 1
+MAX_REPLICAS_FOR_MASK = 24  # 2**24: the largest float32 integer range
+_ON_READ = tf.VariableSynchronization.ON_READ
+_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
+
+
+class ProbeRequest(NamedTuple):
+    """What a detector asks of the train step: `snapshot` for restore."""
+
+    snapshot: bool
+
+
+def request_from(callbacks):
+    """The `ProbeRequest` of the first callback that makes one, or None."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for callback in keras.tree.flatten(callbacks or []):
+        request = getattr(callback, "nan_probe_request", None)
+        if callable(request):
+            return request()
+    return None
+
+
+class Step(NamedTuple):
+    """One step's decoded flags."""
+
+    replicas: tuple  # replica ids, or () when unknown or none
+    kinds: dict  # local kind -> number of replicas
+    weights: bool
+    applied_updates: int
+
+    @property
+    def local(self):
+        return any(self.kinds.values())
+
+
+def decode(logs, num_replicas):
+    """Decodes the probe's log entries (already reduced) into a `Step`."""
+    mask = int(round(logs["nonfinite_replicas"]))
+    code = int(round(logs["nonfinite_kinds"]))
+    kinds = {}
+    for kind in LOCAL_KINDS:
+        code, kinds[kind] = divmod(code, _KIND_BASE)
+    replicas = ()
+    if num_replicas <= MAX_REPLICAS_FOR_MASK:
+        replicas = tuple(r for r in range(num_replicas) if mask >> r & 1)
+    return Step(
+        replicas, kinds, logs["nonfinite_weights"] > 0.5, int(round(logs["applied_updates"]))
+    )
+
+
+class NaNProbe:
+    """The probe's variables and its in-graph logic.
+
+    Args:
+        model: the `SafeDistributedModel`, compiled, its optimizer built.
+        request: a `ProbeRequest`.
+        specs: the structure of one batch (KerasTensors with an unknown batch
+            dimension), or None to capture nothing.
+    """
+
+    def __init__(self, model, request, specs):
+        self.model = model
+        self.strategy = model.distribute_strategy
+        self.replicas = self.strategy.num_replicas_in_sync
+        if self.replicas > MAX_REPLICAS:
+            raise ValueError(
+                f"NaNOnsetDetector supports at most {MAX_REPLICAS} replicas in "
+                f"sync. Received: {self.replicas} replicas. Train without the "
+                "detector, or on fewer replicas."
+            )
+        optimizer = model.optimizer
+        self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        self.names, self.structure = _capture_layout(specs)
+        with self.strategy.scope():
+            self.captured = _local(tf.zeros((), tf.int32))
+            self.capture = None
+            if self.names is not None:
+                self.capture = [
+                    None if s is None else _local(
+                        tf.zeros([0 if d is None else d for d in s.shape], s.dtype),
+                        shape=tf.TensorShape([None] + list(s.shape[1:])),
+                    )
+                    for s in keras.tree.flatten(self.structure)
+                ]
+            self.sources = []
+            if request.snapshot:
+                self.sources = list(model.weights) + list(optimizer.variables)
+            self.snapshots = [_local(tf.zeros(v.shape, v.dtype)) for v in self.sources]
+
+    # In-graph, replica context.
+
+    def begin_step(self):
+        """Copies weights and optimizer state (restore only), before the forward pass."""
+        for snapshot, variable in zip(self.snapshots, self.sources):
+            snapshot.assign(variable)
+
+    def logs(self, data, loss_numerator, grads):
+        """After the update: the flags as log entries; captures on the first fire."""
+        flat = keras.tree.flatten(data)
+        inputs = _nonfinite([t for t in flat if t is not None])
+        loss = _nonfinite([loss_numerator])
+        if self.loss_scaled:
+            # Under loss scaling, non-finite gradients are routine: the
+            # update is skipped and the scale halves.
+            gradients = tf.constant(False)
+        else:
+            gradients = _nonfinite([g.values if isinstance(g, tf.IndexedSlices) else g
+                                    for g in grads if g is not None])
+        weights = _nonfinite(self.model.trainable_weights)
+        stats = tf.unstack(self.model._update_engine.stats.read_value())
+        norm = stats[_update._STATS.index("grad_norm")]
+        reduced = tf.constant(False) if self.loss_scaled else tf.logical_not(tf.math.is_finite(norm))
+        local = tf.cast(tf.stack([inputs, loss, gradients]), tf.float32)
+        fired = tf.reduce_max(local) > 0
+        context = tf.distribute.get_replica_context()
+        if self.replicas <= MAX_REPLICAS_FOR_MASK:
+            bit = tf.pow(2.0, tf.cast(context.replica_id_in_sync_group, tf.float32))
+        else:
+            bit = tf.constant(1.0)
+        self._maybe_capture(flat, fired | weights | reduced)
+        scale = float(self.replicas)
+        return {
+            "nonfinite_replicas": tf.cast(fired, tf.float32) * bit * scale,
+            "nonfinite_kinds": tf.tensordot(local, [1.0, _KIND_BASE, _KIND_BASE**2], 1) * scale,
+            "nonfinite_weights": tf.cast(weights, tf.float32),
+            "applied_updates": stats[_update._STATS.index("updates_in_epoch")],
+        }
+
+    def _maybe_capture(self, flat, fired):
+        if self.capture is None:
+            return
+
+        def capture():
+            for variable, value in zip(self.capture, flat):
+                if variable is not None:
+                    variable.assign(value)
+            self.captured.assign(1)
+
+        tf.cond(fired & tf.equal(self.captured, 0), capture, lambda: None)
+
+    # Host side.
+
+    def reset(self):
+        """Forgets a captured batch; called when a fit begins."""
+        for local in self.strategy.experimental_local_results(self.captured):
+            local.assign(0)
+
+    def captured_shares(self):
+        """{local replica index: (x, y, sample_weight) as NumPy} for captured shares."""
+        if self.capture is None:
+            return {}
+        flags = [int(v.numpy()) for v in self.strategy.experimental_local_results(self.captured)]
+        shares = {}
+        for index, flag in enumerate(flags):
+            if flag:
+                arrays = [
+                    None if v is None else
+                    self.strategy.experimental_local_results(v)[index].numpy()
+                    for v in self.capture
+                ]
+                shares[index] = keras.tree.pack_sequence_as(self.structure, arrays)
+        return shares
+
+    def named(self, share):
+        """`(names, arrays)` of a captured share, in the order of `self.names`."""
+        return self.names, [a for a in keras.tree.flatten(share) if a is not None]
+
+    def restore(self):
+        """Puts back the weights and optimizer state copied before the last step."""
+        with self.strategy.scope():
+            for snapshot, variable in zip(self.snapshots, self.sources):
+                value = self.strategy.experimental_local_results(snapshot)[0]
+                variable.assign(value.read_value())
+
+
+def _capture_layout(specs):
+    if specs is None:
+        return None, None
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(specs)
+    structure = (x, y, sample_weight)
+    names = []
+    for part, value in zip(("x", "y", "sample_weight"), structure):
+        flat = [s for s in keras.tree.flatten(value) if s is not None]
+        names += [part] if len(flat) == 1 else [f"{part}.{i}" for i in range(len(flat))]
+        for s in flat:
+            dtype = tf.as_dtype(s.dtype)
+            if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
+                return None, None
+    return names, structure
+
+
+def _local(initial, shape=None):
+    return tf.Variable(
+        initial, trainable=False, shape=shape, synchronization=_ON_READ, aggregation=_FIRST
+    )
+
+
+def _nonfinite(tensors):
+    checks = [
+        tf.reduce_all(tf.math.is_finite(t))
+        for t in (tf.convert_to_tensor(t) for t in tensors)
+        if t.dtype.is_floating
+    ]
+    if not checks:
+        return tf.constant(False)
+    return tf.logical_not(tf.reduce_all(tf.stack(checks)))
