@@ -98,6 +98,7 @@ class NaNProbe:
 
     def __init__(self, model, request, specs):
         self.model = model
+        self.request = request
         self.strategy = model.distribute_strategy
         self.replicas = self.strategy.num_replicas_in_sync
         if self.replicas > MAX_REPLICAS:
