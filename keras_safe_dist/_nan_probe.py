@@ -133,36 +133,42 @@ class NaNProbe:
         for snapshot, variable in zip(self.snapshots, self.sources):
             snapshot.assign(variable)
 
-    def logs(self, data, loss_numerator, grads):
-        """After the update: the flags as log entries; captures on the first fire."""
+    def logs(self, data, loss_numerator, grad_norm, grads):
+        """After the update: the flags as log entries; captures on the first fire.
+
+        Inputs and loss are checked element by element. Gradients and weights
+        go through one `l2_loss` per tensor: like the update's own gradient
+        norm, a tensor whose squared norm overflows float32 counts as
+        non-finite. This keeps the check to about one op per tensor.
+        """
         flat = keras.tree.flatten(data)
         inputs = _nonfinite([t for t in flat if t is not None])
-        loss = _nonfinite([loss_numerator])
+        loss = tf.logical_not(tf.math.is_finite(loss_numerator))
         if self.loss_scaled:
             # Under loss scaling, non-finite gradients are routine: the
             # update is skipped and the scale halves.
-            gradients = tf.constant(False)
+            gradients = reduced = tf.constant(False)
         else:
-            gradients = _nonfinite([g.values if isinstance(g, tf.IndexedSlices) else g
+            gradients = _overflows([g.values if isinstance(g, tf.IndexedSlices) else g
                                     for g in grads if g is not None])
-        weights = _nonfinite(self.model.trainable_weights)
-        stats = tf.unstack(self.model._update_engine.stats.read_value())
-        norm = stats[_update._STATS.index("grad_norm")]
-        reduced = tf.constant(False) if self.loss_scaled else tf.logical_not(tf.math.is_finite(norm))
-        local = tf.cast(tf.stack([inputs, loss, gradients]), tf.float32)
-        fired = tf.reduce_max(local) > 0
-        context = tf.distribute.get_replica_context()
-        if self.replicas <= MAX_REPLICAS_FOR_MASK:
-            bit = tf.pow(2.0, tf.cast(context.replica_id_in_sync_group, tf.float32))
-        else:
-            bit = tf.constant(1.0)
+            reduced = tf.logical_not(tf.math.is_finite(grad_norm))
+        weights = _overflows(self.model.trainable_weights)
+        local = tf.stack([inputs, loss, gradients])
+        fired = tf.reduce_any(local)
         self._maybe_capture(flat, fired | weights | reduced)
         scale = float(self.replicas)
+        bit = 1.0
+        if self.replicas <= MAX_REPLICAS_FOR_MASK:
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            bit = 2.0 ** int(tf.get_static_value(replica))
+        applied = self.model._update_engine.stats[_update._STATS.index("updates_in_epoch")]
         return {
-            "nonfinite_replicas": tf.cast(fired, tf.float32) * bit * scale,
-            "nonfinite_kinds": tf.tensordot(local, [1.0, _KIND_BASE, _KIND_BASE**2], 1) * scale,
+            "nonfinite_replicas": tf.cast(fired, tf.float32) * (bit * scale),
+            "nonfinite_kinds": tf.reduce_sum(
+                tf.cast(local, tf.float32) * [scale, _KIND_BASE * scale, _KIND_BASE**2 * scale]
+            ),
             "nonfinite_weights": tf.cast(weights, tf.float32),
-            "applied_updates": stats[_update._STATS.index("updates_in_epoch")],
+            "applied_updates": applied,
         }
 
     def _maybe_capture(self, flat, fired):
@@ -232,6 +238,17 @@ def _local(initial, shape=None):
     return tf.Variable(
         initial, trainable=False, shape=shape, synchronization=_ON_READ, aggregation=_FIRST
     )
+
+
+def _overflows(tensors):
+    squares = [
+        tf.nn.l2_loss(t if t.dtype == tf.float32 else tf.cast(t, tf.float32))
+        for t in (tf.convert_to_tensor(t) for t in tensors)
+        if t.dtype.is_floating
+    ]
+    if not squares:
+        return tf.constant(False)
+    return tf.logical_not(tf.math.is_finite(tf.add_n(squares)))
 
 
 def _nonfinite(tensors):

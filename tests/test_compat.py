@@ -115,3 +115,49 @@ def test_backup_and_restore_paths_can_be_redirected(tmp_path):
     assert callback._training_metadata_path == str(tmp_path / "b" / "training_metadata.json")
     source = inspect.getsource(keras.callbacks.BackupAndRestore._save_model)
     assert "self._weights_path" in source and "self._training_metadata_path" in source
+
+
+def test_sublayers_lists_nested_layers():
+    inner = keras.layers.Dense(2, name="inner")
+    block = keras.Sequential([inner], name="block")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(block(inputs)))
+    names = [layer.name for layer in _compat.sublayers(model)]
+    assert sorted(name for name in names if not name.startswith("input_layer")) == ["block", "inner", "out"]
+    assert model.name not in names
+
+
+def test_fit_remembers_one_replicas_batch_specs():
+    with strategy_for(2).scope():
+        inputs = keras.Input((3,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    assert _compat.train_data_specs(model) is None
+    model.fit(np.ones((6, 3), "float32"), np.ones((6, 1), "float32"), batch_size=6, verbose=0)
+    x, y = _compat.train_data_specs(model)
+    assert (x.shape, x.dtype, y.shape) == ((None, 3), "float32", (None, 1))
+
+
+def test_tensorflow_batch_hooks_run_synchronously_on_python_logs():
+    # NaNOnsetDetector reads each step's logs in on_train_batch_end without
+    # adding a host sync only because Keras's TensorFlow trainer already
+    # converts the logs to Python numbers, on the training thread, before any
+    # batch hook runs.
+    import threading
+
+    from keras.src.backend.tensorflow import core as tf_core
+
+    assert tf_core.IS_THREAD_SAFE is False
+    source = inspect.getsource(keras.callbacks.CallbackList._on_train_batch_end)
+    assert "pythonify_logs(logs)" in source
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((type(logs["loss"]), threading.current_thread() is threading.main_thread()))
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), batch_size=2, verbose=0, callbacks=[Probe()])
+    assert seen == [(float, True), (float, True)]

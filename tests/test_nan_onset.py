@@ -208,9 +208,9 @@ def test_accumulation_reports_the_micro_batch_and_skips_its_group(replicas):
 
 def test_healthy_training_is_identical_with_and_without_detector(replicas):
     x, y = data()
-    plain = build(replicas, gradient_accumulation_steps=2)
+    plain = build(replicas)
     expected = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
-    model = build(replicas, gradient_accumulation_steps=2)
+    model = build(replicas)
     detector = NaNOnsetDetector(action="restore")
     history = fit(model, x, y, detector, epochs=2).history
     assert detector.report is None
