@@ -45,3 +45,21 @@ def test_multi_worker_launches_two_workers_that_agree():
     summary = [line for line in lines if "epoch " in line and "loss" in line]
     assert [line.split()[:3] for line in summary] == [["[worker", "0]", "epoch"]] * 3
     assert all(line.endswith("samples per update 80") for line in summary)
+
+
+def test_hunt_nan_names_batch_replica_and_layer_and_restores():
+    lines = run_example("hunt_nan.py").splitlines()
+    assert lines[0].startswith("NaN onset at epoch 0, batch 9, replica 1: a layer output that is non-finite")
+    fields = dict(line.split(": ", 1) for line in lines[2:9])
+    assert fields == {
+        "epoch": "0",
+        "batch": "9",
+        "kind": "activations",
+        "layer": "safe_log",
+        "replica": "1",
+        "variables": "[]",
+        "restored_to": "before this batch",
+    }
+    assert "files: ['nan_onset.json', 'nan_onset_batch.npz']" in lines
+    assert "finding: NAN001 safe_log" in lines
+    assert lines[-1] == "weights finite after restore: True"
