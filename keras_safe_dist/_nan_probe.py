@@ -42,9 +42,15 @@ _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 
 class ProbeRequest(NamedTuple):
-    """What a detector asks of the train step: `snapshot` for restore."""
+    """What a detector asks of the train step.
+
+    Attributes:
+        snapshot: copy the weights and optimizer state before each step.
+        count_updates: log `applied_updates`.
+    """
 
     snapshot: bool
+    count_updates: bool
 
 
 def request_from(callbacks):
@@ -64,7 +70,7 @@ class Step(NamedTuple):
     replicas: tuple  # replica ids, or () when unknown or none
     kinds: dict  # local kind -> number of replicas
     weights: bool
-    applied_updates: int
+    applied_updates: object  # int, or None when not requested
 
     @property
     def local(self):
@@ -81,8 +87,12 @@ def decode(logs, num_replicas):
     replicas = ()
     if num_replicas <= MAX_REPLICAS_FOR_MASK:
         replicas = tuple(r for r in range(num_replicas) if mask >> r & 1)
+    applied = logs.get("applied_updates")
     return Step(
-        replicas, kinds, logs["nonfinite_weights"] > 0.5, int(round(logs["applied_updates"]))
+        replicas,
+        kinds,
+        logs["nonfinite_weights"] > 0.5,
+        None if applied is None else int(round(applied)),
     )
 
 
@@ -109,6 +119,12 @@ class NaNProbe:
             )
         optimizer = model.optimizer
         self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        # Without accumulation every step is an update, whose reduced gradient
+        # norm is already checked: a local gradient check would only name the
+        # replica, which the replay does. With accumulation it names the
+        # micro-batch.
+        self.check_local_gradients = model.gradient_accumulation_steps > 1 and not self.loss_scaled
+        self.log_names = LOG_NAMES if request.count_updates else LOG_NAMES[:-1]
         self.names, self.structure = _capture_layout(specs)
         with self.strategy.scope():
             self.captured = _local(tf.zeros((), tf.int32))
@@ -144,14 +160,14 @@ class NaNProbe:
         flat = keras.tree.flatten(data)
         inputs = _nonfinite([t for t in flat if t is not None])
         loss = tf.logical_not(tf.math.is_finite(loss_numerator))
-        if self.loss_scaled:
-            # Under loss scaling, non-finite gradients are routine: the
-            # update is skipped and the scale halves.
-            gradients = reduced = tf.constant(False)
-        else:
+        gradients = reduced = tf.constant(False)
+        # Under loss scaling, non-finite gradients are routine: the update is
+        # skipped and the scale halves.
+        if not self.loss_scaled:
+            reduced = tf.logical_not(tf.math.is_finite(grad_norm))
+        if self.check_local_gradients:
             gradients = _overflows([g.values if isinstance(g, tf.IndexedSlices) else g
                                     for g in grads if g is not None])
-            reduced = tf.logical_not(tf.math.is_finite(grad_norm))
         weights = _overflows(self.model.trainable_weights)
         local = tf.stack([inputs, loss, gradients])
         fired = tf.reduce_any(local)
@@ -161,15 +177,17 @@ class NaNProbe:
         if self.replicas <= MAX_REPLICAS_FOR_MASK:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
             bit = 2.0 ** int(tf.get_static_value(replica))
-        applied = self.model._update_engine.stats[_update._STATS.index("updates_in_epoch")]
-        return {
+        logs = {
             "nonfinite_replicas": tf.cast(fired, tf.float32) * (bit * scale),
             "nonfinite_kinds": tf.reduce_sum(
                 tf.cast(local, tf.float32) * [scale, _KIND_BASE * scale, _KIND_BASE**2 * scale]
             ),
             "nonfinite_weights": tf.cast(weights, tf.float32),
-            "applied_updates": applied,
         }
+        if "applied_updates" in self.log_names:
+            stats = self.model._update_engine.stats
+            logs["applied_updates"] = stats[_update._STATS.index("updates_in_epoch")]
+        return logs
 
     def _maybe_capture(self, flat, fired):
         if self.capture is None:

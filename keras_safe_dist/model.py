@@ -239,7 +239,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
 
     def _update_log_names(self):
         if self._nan_probe is not None:
-            return UpdateEngine.LOG_NAMES + _nan_probe.LOG_NAMES
+            return UpdateEngine.LOG_NAMES + self._nan_probe.log_names
         return UpdateEngine.LOG_NAMES
 
     def _track_loss(self, micro):

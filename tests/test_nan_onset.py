@@ -158,15 +158,17 @@ def test_loss_function_that_makes_nan_reports_loss_without_a_layer():
     assert (detector.report["batch"], detector.report["kind"], detector.report["layer"]) == (1, "loss", None)
 
 
-def test_nan_gradient_from_finite_loss_names_the_variable():
+@pytest.mark.parametrize("steps", [1, 2])
+def test_nan_gradient_from_finite_loss_names_the_variable_and_replica(replicas, steps):
     x, y = data()
-    x[27] = 0.0  # batch 3: d sqrt(x * w) / dw = 0 / 0
-    model = build(1, first=Root(name="root"))
+    x[29] = 0.0  # batch 3, row 5: d sqrt(x * w) / dw = 0 / 0 on the second replica's share
+    model = build(replicas, first=Root(name="root"), gradient_accumulation_steps=steps)
     detector = NaNOnsetDetector()
     fit(model, x, y, detector)
     report = detector.report
     assert (report["batch"], report["kind"], report["layer"]) == (3, "gradients", None)
     assert report["variables"] == ["root/w"]
+    assert report["replicas"] == [replicas - 1]
 
 
 def exploding(step):
@@ -252,10 +254,10 @@ def test_plain_keras_model_reports_loss_and_says_what_is_not_localized(replicas,
     assert "the layer, the replica and the batch itself are not localized" in capsys.readouterr().out
 
 
-def test_plain_keras_model_restore_finds_the_update_that_broke_the_weights():
+def test_plain_keras_model_restore_finds_the_update_that_broke_the_weights(replicas):
     x, y = data()
     y = y * 100.0
-    model = build(1, keras.Model, optimizer=lambda: keras.optimizers.SGD(Exploding()))
+    model = build(replicas, keras.Model, optimizer=lambda: keras.optimizers.SGD(Exploding()))
     detector = NaNOnsetDetector(action="restore")
     fit(model, x, y, detector)
     report = detector.report

@@ -112,7 +112,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     def nan_probe_request(self):
         """What `SafeDistributedModel.fit` builds into its train step for this detector."""
-        return _nan_probe.ProbeRequest(snapshot=self.action == "restore")
+        return _nan_probe.ProbeRequest(
+            snapshot=self.action == "restore", count_updates=self.action == "continue"
+        )
 
     def get_config(self):
         return {
@@ -269,7 +271,18 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 "saved batch on one device to find the layer."
             )
         elif shares:
-            found = _nan_replay.replay(self.model, *shares[min(shares)])
+            unnamed = kind == "gradients" and not report["replicas"]
+            # Without accumulation the step checks only the reduced gradient:
+            # every replica captured its share; replay each to name the replicas.
+            targets = sorted(shares) if unnamed else [min(shares)]
+            replays = {r: _nan_replay.replay(self.model, *shares[r]) for r in targets}
+            if unnamed:
+                named = [r for r, found in replays.items()
+                         if found.gradient_variables or found.loss_finite is False]
+                report["replicas"] = named
+                report["replica"] = named[0] if named else None
+                shares = {r: shares[r] for r in named} or shares
+            found = replays[min(shares)]
             report["layer"] = found.layer
             if found.error:
                 report["notes"].append(f"Replaying the batch failed ({found.error}).")
@@ -308,8 +321,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         for age, slot in ages if self._plain_snapshots else ():
             snapshot = self._plain_snapshots[slot % 2]
             if all(_finite(v) for v in snapshot[: len(self.model.trainable_weights)]):
-                for variable, value in zip(self._plain_sources(), snapshot):
-                    variable.assign(value)
+                with self.model.distribute_strategy.scope():
+                    for variable, value in zip(self._plain_sources(), snapshot):
+                        variable.assign(value)
                 report["restored_to"] = "before this batch" if age == 0 else "before the previous batch"
                 return
         report["notes"].append("No finite copy of the weights was available to restore.")
