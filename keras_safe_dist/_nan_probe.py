@@ -1,11 +1,13 @@
 """In-graph non-finite checks for `SafeDistributedModel`'s train step.
 
 `NaNOnsetDetector` asks for them; the model builds a `NaNProbe` with its train
-function. Each step, every replica checks its own share of the inputs, its
-micro-batch loss and its local gradients, and every replica checks the weights
-after the update (the same on all replicas). The flags leave the step as four
-scalar log entries, which Keras MEAN-reduces across replicas; each is scaled
-by the number of replicas first, so the reduced value is an exact sum:
+function. Each step, every replica checks its own share of the inputs and its
+micro-batch loss (and, with gradient accumulation, its local gradients, to
+name the micro-batch), and every replica checks the weights after the update
+(the same on all replicas); the update's reduced gradient norm is already
+checked by the engine. The flags leave the step as scalar log entries, which
+Keras MEAN-reduces across replicas; per-replica entries are scaled by the
+number of replicas first, so the reduced value is an exact sum:
 
 - `nonfinite_replicas`: sum over replicas r of `2**r` if replica r saw a
   non-finite input, loss or gradient (a bitmask; with more than 24 replicas,
@@ -13,7 +15,8 @@ by the number of replicas first, so the reduced value is an exact sum:
 - `nonfinite_kinds`: sum over replicas of `inputs + 256 * loss + 65536 *
   gradients` (how many replicas saw each kind).
 - `nonfinite_weights`: 1 when a weight is non-finite after the update.
-- `applied_updates`: updates applied so far this epoch.
+- `applied_updates` (for `action="continue"` only): updates applied so far
+  this epoch.
 
 No extra collective and no host round trip: the values travel with the logs
 Keras already returns. On the first step a replica fires, a `tf.cond` with no

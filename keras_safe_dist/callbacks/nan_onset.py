@@ -6,8 +6,8 @@ import numbers
 import os
 
 import keras
-import tensorflow as tf
 
+from keras_safe_dist import _nan_locate
 from keras_safe_dist import _nan_probe
 from keras_safe_dist import _nan_replay
 from keras_safe_dist import _nan_report
@@ -169,7 +169,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self.action == "restore" and not self._full:
             # Plain keras.Model: two rotating copies, taken eagerly (no host sync).
-            self._snapshot_plain()
+            if self._plain_snapshots is None:
+                self._plain_snapshots = _nan_locate.PlainSnapshots(self.model)
+            self._plain_snapshots.take(self._step)
 
     # This hook reads the step's logs. Keras's TensorFlow trainer never
     # dispatches batch hooks asynchronously (its backend is not thread safe)
@@ -230,7 +232,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         }
         shares = {}
         if self._full:
-            shares = self._onset_full(report, step, norm_bad, weights)
+            shares = _nan_locate.locate(model, self._probe, report, step, norm_bad, weights)
         else:
             self._onset_plain(report, weights)
         if self.action == "restore":
@@ -244,72 +246,16 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if distributed.is_chief(model.distribute_strategy):
             print(report["summary"])
 
-    def _onset_full(self, report, step, norm_bad, weights):
-        if weights:
-            kind = "weights"
-        elif step is None:
-            kind = "loss"
-        else:
-            kind = next((k for k in _nan_probe.LOCAL_KINDS if step.kinds[k]), None)
-            kind = kind or ("weights" if step.weights else "gradients" if norm_bad else "loss")
-            report["replicas"] = list(step.replicas)
-        report["replica"] = report["replicas"][0] if report["replicas"] else None
-        offset = _replica_offset(self.model.distribute_strategy, len(self._local_flags()))
-        shares = {
-            index + offset: share
-            for index, share in self._probe.captured_shares().items()
-            # Replicas that did not fire at the onset captured a later batch (or,
-            # for weights, every replica captured this one).
-            if index + offset in report["replicas"] or not report["replicas"]
-        }
-        multi_worker = isinstance(
-            self.model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy
-        )
-        if shares and multi_worker:
-            report["notes"].append(
-                "The batch is not replayed under MultiWorkerMirroredStrategy; replay the "
-                "saved batch on one device to find the layer."
-            )
-        elif shares:
-            unnamed = kind == "gradients" and not report["replicas"]
-            # Without accumulation the step checks only the reduced gradient:
-            # every replica captured its share; replay each to name the replicas.
-            targets = sorted(shares) if unnamed else [min(shares)]
-            replays = {r: _nan_replay.replay(self.model, *shares[r]) for r in targets}
-            if unnamed:
-                named = [r for r, found in replays.items()
-                         if found.gradient_variables or found.loss_finite is False]
-                report["replicas"] = named
-                report["replica"] = named[0] if named else None
-                shares = {r: shares[r] for r in named} or shares
-            found = replays[min(shares)]
-            report["layer"] = found.layer
-            if found.error:
-                report["notes"].append(f"Replaying the batch failed ({found.error}).")
-            if kind in ("loss", "gradients") and found.layer:
-                kind = "activations"
-            if kind == "gradients":
-                report["variables"] = list(found.gradient_variables)
-        elif self._probe.capture is None:
-            report["notes"].append("The batch could not be captured (non-numeric inputs).")
-        else:
-            report["notes"].append("The batch was not captured on this worker.")
-        if kind == "weights":
-            report["variables"] = weights or _nan_replay.nonfinite_paths(self.model.trainable_weights)
-        report["kind"] = kind
-        return shares
-
     def _onset_plain(self, report, weights):
         report["notes"].append(_nan_report.PLAIN_MODEL_NOTE)
         report["kind"] = "weights" if weights else "loss"
         report["variables"] = weights or _nan_replay.nonfinite_paths(self.model.trainable_weights)
-        if self._plain_snapshots and not weights:
-            before = self._plain_snapshots[(self._step - 1) % 2]
-            bad = [path for path, v in zip(self._weight_paths(), before) if not _finite(v)]
-            if bad and self._previous is not None:
+        if self._plain_snapshots is not None and not weights and self._previous is not None:
+            broken = self._plain_snapshots.nonfinite_before(self._step - 1)
+            if broken:
                 # The weights were already non-finite when this batch began: the
                 # previous batch's update made them so.
-                report.update(kind="weights", variables=bad)
+                report.update(kind="weights", variables=broken)
                 report["epoch"], report["batch"] = self._previous
 
     def _restore(self, report):
@@ -317,16 +263,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             self._probe.restore()
             report["restored_to"] = "before this batch"
             return
-        ages = ((0, self._step - 1), (1, self._step))[: min(self._step, 2)]
-        for age, slot in ages if self._plain_snapshots else ():
-            snapshot = self._plain_snapshots[slot % 2]
-            if all(_finite(v) for v in snapshot[: len(self.model.trainable_weights)]):
-                with self.model.distribute_strategy.scope():
-                    for variable, value in zip(self._plain_sources(), snapshot):
-                        variable.assign(value)
-                report["restored_to"] = "before this batch" if age == 0 else "before the previous batch"
-                return
-        report["notes"].append("No finite copy of the weights was available to restore.")
+        restored = None
+        if self._plain_snapshots is not None:
+            restored = self._plain_snapshots.restore(self._step - 1)
+        if restored is None:
+            report["notes"].append("No finite copy of the weights was available to restore.")
+        report["restored_to"] = restored
 
     # Helpers.
 
@@ -356,34 +298,4 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         stats = self.model._update_engine.stats.numpy()
         return int(stats[_update._STATS.index("updates_in_epoch")])
 
-    def _local_flags(self):
-        return self.model.distribute_strategy.experimental_local_results(self._probe.captured)
 
-    def _plain_sources(self):
-        return list(self.model.trainable_weights) + list(self.model.optimizer.variables)
-
-    def _weight_paths(self):
-        return [v.path for v in self.model.trainable_weights]
-
-    def _snapshot_plain(self):
-        sources = self._plain_sources()
-        if self._plain_snapshots is None:
-            self._plain_snapshots = [
-                [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in sources]
-                for _ in range(2)
-            ]
-        for snapshot, variable in zip(self._plain_snapshots[self._step % 2], sources):
-            snapshot.assign(variable)
-
-
-def _finite(value):
-    return bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(value))))
-
-
-def _replica_offset(strategy, local_replicas):
-    """Global id of this worker's first replica (0 in a single process)."""
-    task_type, task_id, cluster = distributed._task(strategy)
-    if task_type is None:
-        return 0
-    index = task_id + (1 if task_type == "worker" and "chief" in cluster else 0)
-    return (0 if task_type == "chief" else index) * local_replicas
