@@ -137,6 +137,7 @@ class TrainerOverrides:
         specs = keras.tree.map_structure(
             lambda v: _batch_spec(strategy, v), data_batch
         )
+        _remember_train_data_specs(self, specs)
         with strategy.scope():
             self._symbolic_build(data_batch=specs)
 
@@ -151,6 +152,16 @@ class TrainerOverrides:
             result.update({name: logs[name] for name in names})
             return result
         return super()._get_metrics_result_or_logs(logs)
+
+
+def train_data_specs(model):
+    """The specs of one replica's share of the batches `fit()` last built from, or None."""
+    return model.__dict__.get("_safe_dist_train_data_specs")
+
+
+def _remember_train_data_specs(model, specs):
+    # Stored past Keras's attribute tracking, which would wrap the structure.
+    model.__dict__["_safe_dist_train_data_specs"] = specs
 
 
 def _batch_spec(strategy, value):

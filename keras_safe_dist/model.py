@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
+from keras_safe_dist import _nan_probe
 from keras_safe_dist._update import UpdateEngine
 from keras_safe_dist.audits import scope as _scope
 
@@ -106,6 +107,9 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self.clipvalue = options["clipvalue"]
         self.skip_nonfinite = options["skip_nonfinite"]
         self._update_engine = None
+        # Set by fit() from a NaNOnsetDetector among the callbacks.
+        self._nan_probe_request = None
+        self._nan_probe = None
 
     def get_config(self):
         config = super().get_config()
@@ -210,6 +214,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         return super().fit(*args, **kwargs)
 
     def _with_epoch_callback(self, callbacks):
+        self._nan_probe_request = _nan_probe.request_from(callbacks)
         callback = _EpochBoundary()
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callback.set_model(self)
@@ -219,6 +224,9 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         return [callback] + list(callbacks or [])
 
     def make_train_function(self, force=False):
+        built = self._nan_probe.request if self._nan_probe is not None else None
+        if built != self._nan_probe_request:
+            force = True  # a NaNOnsetDetector was added or removed
         if self.train_function is not None and not force:
             return self.train_function
         if _compat.compute_loss_is_overridden(self):
@@ -232,10 +240,18 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             if not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
         self._update_engine = UpdateEngine(self)
+        self._nan_probe = None
+        if self._nan_probe_request is not None:
+            self._nan_probe = _nan_probe.NaNProbe(
+                self, self._nan_probe_request, _compat.train_data_specs(self)
+            )
         return super().make_train_function(force=force)
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        probe = self._nan_probe
+        if probe is not None:
+            probe.begin_step()
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
@@ -245,6 +261,10 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._track_loss(micro)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs.update(self._update_engine.logs())
+        if probe is not None:
+            logs.update(
+                probe.logs((x, y, sample_weight), micro.numerator, logs["grad_norm"], grads)
+            )
         if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
             # Keras reduces step outputs across workers with
             # `strategy.reduce("MEAN", value, axis=0)`, which needs rank >= 1;
@@ -253,6 +273,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         return logs
 
     def _update_log_names(self):
+        if self._nan_probe is not None:
+            return UpdateEngine.LOG_NAMES + self._nan_probe.log_names
         return UpdateEngine.LOG_NAMES
 
     def _track_loss(self, micro):

@@ -139,3 +139,39 @@ def test_flatten_layers_reaches_nested_layers():
     names = [layer.name for layer in _compat.flatten_layers(model)]
     assert "inner_dense" in names and "head" in names and "inner" in names
     assert model.name not in names
+
+
+def test_fit_remembers_one_replicas_batch_specs():
+    with strategy_for(2).scope():
+        inputs = keras.Input((3,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    assert _compat.train_data_specs(model) is None
+    model.fit(np.ones((6, 3), "float32"), np.ones((6, 1), "float32"), batch_size=6, verbose=0)
+    x, y = _compat.train_data_specs(model)
+    assert (x.shape, x.dtype, y.shape) == ((None, 3), "float32", (None, 1))
+
+
+def test_tensorflow_batch_hooks_run_synchronously_on_python_logs():
+    # NaNOnsetDetector reads each step's logs in on_train_batch_end without
+    # adding a host sync only because Keras's TensorFlow trainer already
+    # converts the logs to Python numbers, on the training thread, before any
+    # batch hook runs.
+    import threading
+
+    from keras.src.backend.tensorflow import core as tf_core
+
+    assert tf_core.IS_THREAD_SAFE is False
+    source = inspect.getsource(keras.callbacks.CallbackList._on_train_batch_end)
+    assert "pythonify_logs(logs)" in source
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((type(logs["loss"]), threading.current_thread() is threading.main_thread()))
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), batch_size=2, verbose=0, callbacks=[Probe()])
+    assert seen == [(float, True), (float, True)]

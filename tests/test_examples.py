@@ -67,3 +67,21 @@ def test_subclassed_model_matches_stock_keras_and_reloads():
     difference = float(lines[4].rsplit(" ", 1)[1])
     assert difference < 1e-5
     assert lines[5] == "reloaded ResidualRegressor: accumulation 3, global_clipnorm 1.0, same predictions: True"
+
+
+def test_hunt_nan_names_batch_replica_and_layer_and_restores():
+    lines = run_example("hunt_nan.py").splitlines()
+    assert lines[0].startswith("NaN onset at epoch 0, batch 9, replica 1: a layer output that is non-finite")
+    fields = dict(line.split(": ", 1) for line in lines[2:9])
+    assert fields == {
+        "epoch": "0",
+        "batch": "9",
+        "kind": "activations",
+        "layer": "safe_log",
+        "replica": "1",
+        "variables": "[]",
+        "restored_to": "before this batch",
+    }
+    assert "files: ['nan_onset.json', 'nan_onset_batch.npz']" in lines
+    assert "finding: NAN001 safe_log" in lines
+    assert lines[-1] == "weights finite after restore: True"

@@ -6,6 +6,7 @@ from keras_safe_dist.callbacks.audit_callback import AuditError
 from keras_safe_dist.callbacks.audit_callback import AuditWarning
 from keras_safe_dist.callbacks.backup_and_restore import MultiWorkerBackupAndRestore
 from keras_safe_dist.callbacks.dashboard import Dashboard
+from keras_safe_dist.callbacks.nan_onset import NaNOnsetDetector
 from keras_safe_dist.callbacks.scope_audit import ScopeAudit
 from keras_safe_dist.callbacks.training_mode_audit import TrainingModeAudit
 
@@ -16,6 +17,7 @@ __all__ = [
     "AuditWarning",
     "Dashboard",
     "MultiWorkerBackupAndRestore",
+    "NaNOnsetDetector",
     "ScopeAudit",
     "TrainingModeAudit",
 ]

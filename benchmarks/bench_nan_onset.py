@@ -1,0 +1,194 @@
+"""Step time of `SafeDistributedModel` with and without `NaNOnsetDetector`, and under
+`tf.debugging.enable_check_numerics`, on the same small MLP while training is healthy.
+
+In this process, fit() calls without the detector, with `NaNOnsetDetector()`
+("stop") and with `NaNOnsetDetector(action="restore")` alternate (rotating
+which goes first), after a warm-up call of each, on one device and on two
+replicas (two logical CPUs under one `MirroredStrategy`). The table gives
+median seconds per epoch and ratios to "none".
+
+`tf.debugging.enable_check_numerics` is global and cannot be turned off, so it
+runs in a subprocess: that process times "none" first (its own baseline),
+then enables the checks and times the same model again, on one device.
+
+Usage:
+    PYTHONPATH=. python benchmarks/bench_nan_onset.py [--repeats N] [--quick] [--json]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+# Two logical CPUs for the 2-replica runs; must precede any other TF use.
+_CPU = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_CPU, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+
+from keras_safe_dist import SafeDistributedModel  # noqa: E402
+from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
+
+FEATURES, WIDTH, SAMPLES, BATCH = 32, 256, 8192, 256
+EPOCHS_PER_TIMING = 3
+CONFIGS = {
+    "none": lambda: [],
+    "detector": lambda: [NaNOnsetDetector()],
+    "detector (restore)": lambda: [NaNOnsetDetector(action="restore")],
+}
+
+
+def _model(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(WIDTH, activation="relu")(inputs)
+        hidden = keras.layers.Dense(WIDTH, activation="relu")(hidden)
+        model = SafeDistributedModel(inputs, keras.layers.Dense(10)(hidden))
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=False,
+        )
+    return model
+
+
+def _dataset(samples):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, FEATURES)).astype("float32")
+    y = rng.integers(0, 10, size=samples).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def _timed_epoch(model, dataset, callbacks):
+    """Seconds per epoch, averaged over one fit() of a few epochs."""
+    start = time.perf_counter()
+    model.fit(dataset, epochs=EPOCHS_PER_TIMING, verbose=0, shuffle=False, callbacks=callbacks)
+    return (time.perf_counter() - start) / EPOCHS_PER_TIMING
+
+
+def bench_detector(repeats, samples):
+    """Median epoch seconds per configuration and setting, interleaved."""
+    dataset = _dataset(samples)
+    settings = {
+        "1 device": tf.distribute.get_strategy(),
+        "2 replicas": tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+    }
+    results = {}
+    for setting, strategy in settings.items():
+        # One model per configuration: a model with and without the detector
+        # keeps different train functions.
+        models = {name: _model(strategy) for name in CONFIGS}
+        for name, model in models.items():
+            _timed_epoch(model, dataset, CONFIGS[name]())  # warm-up: tracing
+        times = {name: [] for name in CONFIGS}
+        names = list(CONFIGS)
+        for repeat in range(repeats):
+            shift = repeat % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[name].append(_timed_epoch(models[name], dataset, CONFIGS[name]()))
+        results[setting] = _summary(times, samples)
+    return results
+
+
+def _summary(times, samples):
+    base = statistics.median(times["none"])
+    rows = {}
+    for name, values in times.items():
+        median = statistics.median(values)
+        paired = [v / b for v, b in zip(values, times["none"])]
+        rows[name] = {
+            "median_s": median,
+            "ratio_of_medians": median / base,
+            # The fastest run is the least disturbed by other load on the machine.
+            "ratio_of_minimums": min(values) / min(times["none"]),
+            "median_paired_ratio": statistics.median(paired),
+            "extra_ms_per_step": (median - base) * 1e3 / -(-samples // BATCH),
+            "all_s": values,
+        }
+    return rows
+
+
+def check_numerics_worker(repeats, samples):
+    """Runs in a subprocess: 'none', then the same model with check_numerics."""
+    dataset = _dataset(samples)
+    model = _model(tf.distribute.get_strategy())
+    _timed_epoch(model, dataset, [])
+    times = {"none": [_timed_epoch(model, dataset, []) for _ in range(repeats)]}
+    tf.debugging.enable_check_numerics()
+    model = _model(tf.distribute.get_strategy())
+    _timed_epoch(model, dataset, [])
+    times["check_numerics"] = [_timed_epoch(model, dataset, []) for _ in range(repeats)]
+    return times
+
+
+def bench_check_numerics(repeats, samples):
+    command = [
+        sys.executable, os.path.abspath(__file__), "--check-numerics-worker",
+        "--repeats", str(repeats), "--samples", str(samples),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"The check_numerics worker failed with exit code {done.returncode}:\n"
+            f"{done.stderr[-4000:]}"
+        )
+    times = json.loads(done.stdout.strip().splitlines()[-1])
+    return _summary(times, samples)
+
+
+def _print_report(report):
+    setup = report["setup"]
+    print(
+        f"Median seconds per epoch over {setup['repeats']} interleaved fit() calls of "
+        f"{EPOCHS_PER_TIMING} epochs; SafeDistributedModel, MLP {FEATURES}-{WIDTH}-{WIDTH}-10, "
+        f"{setup['samples']} samples, batch {BATCH}, Adam"
+    )
+    header = f"{'setting':<30}{'config':<22}{'ms/epoch':>10}{'ratio of medians':>18}"
+    print(header + f"{'median paired ratio':>21}{'ratio of minimums':>19}{'extra ms/step':>15}")
+    sections = dict(report["detector"])
+    sections["1 device, own process"] = report["check_numerics"]
+    for setting, rows in sections.items():
+        for name, row in rows.items():
+            print(
+                f"{setting:<30}{name:<22}{row['median_s'] * 1e3:>10.1f}"
+                f"{row['ratio_of_medians']:>18.3f}{row['median_paired_ratio']:>21.3f}"
+                f"{row['ratio_of_minimums']:>19.3f}{row['extra_ms_per_step']:>15.3f}"
+            )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=None, help="timed fit() calls per config")
+    parser.add_argument("--quick", action="store_true", help="small sizes, about a minute")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--check-numerics-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 9)
+    samples = args.samples or (SAMPLES // 4 if args.quick else SAMPLES)
+    if repeats < 1:
+        parser.error(f"--repeats must be >= 1. Received: --repeats={repeats}")
+    if args.check_numerics_worker:
+        print(json.dumps(check_numerics_worker(repeats, samples)))
+        return
+    report = {
+        "setup": {"repeats": repeats, "samples": samples, "batch": BATCH},
+        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
+        "detector": bench_detector(repeats, samples),
+        "check_numerics": bench_check_numerics(repeats, samples),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_report(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The NaN onset report: its fields, its readable paragraph and its files."""
+
+import math
+import os
+
+import numpy as np
+
+from keras_safe_dist import summaries
+from keras_safe_dist.distributed import is_chief
+from keras_safe_dist.findings import Finding
+
+__all__ = ["KINDS", "PLAIN_MODEL_NOTE", "finish", "paragraph", "skips_finding", "write"]
+
+REPORT_FILE = "nan_onset.json"
+BATCH_FILE = "nan_onset_batch.npz"
+TAG = "nan_onset"
+
+KINDS = {
+    "inputs": (
+        "a non-finite value in the inputs (x, y or sample_weight)",
+        "Look for the non-finite values in the saved batch and fix the data pipeline "
+        "that produced them.",
+    ),
+    "loss": (
+        "a non-finite loss from finite inputs and finite layer outputs",
+        "Guard the loss function against this batch (log of 0, division by 0): add an "
+        "epsilon or clip its inputs.",
+    ),
+    "activations": (
+        "a layer output that is non-finite although the layer's inputs are finite",
+        "Guard that layer's computation (epsilon, clipping, a stable formulation) or "
+        "lower the learning rate.",
+    ),
+    "gradients": (
+        "non-finite gradients from a finite loss",
+        "Guard the backward pass of the listed variables' ops (sqrt or log near 0) or "
+        "clip gradients with global_clipnorm.",
+    ),
+    "weights": (
+        "weights that became non-finite in this batch's update",
+        "Lower the learning rate or clip gradients with global_clipnorm: the update "
+        "overflowed.",
+    ),
+}
+
+PLAIN_MODEL_NOTE = (
+    "This is a plain keras.Model: only the logged loss is checked each step, and the "
+    "weights when the loss turns non-finite and at epoch ends. The inputs, gradients, "
+    "the layer, the replica and the batch itself are not localized; use "
+    "keras_safe_dist.SafeDistributedModel for the full report."
+)
+
+_ACTIONS = {
+    "stop": "Training stopped after this batch.",
+    "restore": (
+        "The weights and optimizer state were restored to the last finite values "
+        "({restored}) and training stopped."
+    ),
+    "continue": (
+        "Training continues with non-finite updates skipped, and stops after "
+        "{limit} skipped updates in a row."
+    ),
+}
+
+
+def finish(report, action, max_consecutive_skips):
+    """Adds the finding, the action taken and the paragraph to `report`."""
+    what, fix = KINDS[report["kind"]]
+    subject = report["layer"] or (report["variables"] or [report["kind"]])[0]
+    message = f"{what} at epoch {report['epoch']}, batch {report['batch']}"
+    report["finding"] = Finding.of("NAN001", subject, message, fix).to_dict()
+    report["action_taken"] = _ACTIONS[action].format(
+        restored=report.get("restored_to") or "none found", limit=max_consecutive_skips
+    )
+    report["summary"] = paragraph(report)
+    return report
+
+
+def paragraph(report):
+    """One readable paragraph describing the onset."""
+    what, fix = KINDS[report["kind"]]
+    where = f"epoch {report['epoch']}, batch {report['batch']}"
+    if report["replicas"]:
+        where += f", replica {', '.join(str(r) for r in report['replicas'])}"
+    text = [f"NaN onset at {where}: {what}."]
+    if report["layer"]:
+        text.append(f"First layer with a non-finite output from finite inputs: {report['layer']}.")
+    if report["variables"]:
+        shown = ", ".join(report["variables"][:5])
+        more = len(report["variables"]) - 5
+        text.append(f"Non-finite {report['kind']}: {shown}{f' and {more} more' if more > 0 else ''}.")
+    losses = [_number(h["loss"]) for h in report["history"][-5:]]
+    if losses:
+        text.append(f"Logged loss over the last {len(losses)} steps: {', '.join(losses)}.")
+    text.extend(report["notes"])
+    text.append(report["action_taken"])
+    text.append(f"Fix: {fix}")
+    if report.get("files"):
+        text.append("Written: " + ", ".join(report["files"].values()) + ".")
+    return " ".join(text)
+
+
+def markdown(report):
+    """A markdown table of the report's fields followed by the paragraph."""
+    rows = ["| field | value |", "| --- | --- |"]
+    for name in ("epoch", "batch", "kind", "layer", "variables", "replica", "action"):
+        value = report[name]
+        value = ", ".join(value) if isinstance(value, list) else value
+        rows.append(f"| {name} | {'' if value is None else value} |")
+    return "**NaN onset**\n\n" + "\n".join(rows) + "\n\n" + report["summary"]
+
+
+def write(report, log_dir, shares, step):
+    """Writes the JSON report, the batch and the TensorBoard text; chief only."""
+    if log_dir is None or not is_chief():
+        return
+    if shares:
+        report["files"]["batch"] = os.path.join(log_dir, BATCH_FILE)
+    report["files"]["report"] = os.path.join(log_dir, REPORT_FILE)
+    report["summary"] = paragraph(report)
+    if shares:
+        os.makedirs(log_dir, exist_ok=True)
+        np.savez(report["files"]["batch"], **_batch_arrays(shares))
+    summaries.write_json(log_dir, REPORT_FILE, report)
+    summaries.write_text(log_dir, TAG, markdown(report), step=step)
+
+
+def skips_finding(count, epoch, batch):
+    """The NAN002 finding for `count` skipped updates in a row."""
+    return Finding.of(
+        "NAN002",
+        "skipped_updates",
+        f"{count} consecutive updates were skipped as non-finite, the last at epoch "
+        f"{epoch}, batch {batch}",
+        "Fix the cause named in the NaN onset report; skipping cannot make progress.",
+    )
+
+
+def _batch_arrays(shares):
+    """`{name: array}` of the captured shares; rows of several replicas concatenated."""
+    names = None
+    columns = {}
+    rows = []
+    for replica, (names, arrays) in sorted(shares.items()):
+        for name, array in zip(names, arrays):
+            columns.setdefault(name, []).append(array)
+        rows.append(np.full(len(arrays[0]), replica, np.int32))
+    result = {}
+    for name, parts in columns.items():
+        try:
+            result[name] = np.concatenate(parts)
+        except ValueError:  # variable-length inputs: one array per replica
+            for replica, part in zip(sorted(shares), parts):
+                result[f"{name}.replica{replica}"] = part
+    result["replica"] = np.concatenate(rows)
+    return result
+
+
+def _number(value):
+    return "none" if value is None else ("nan" if math.isnan(value) else f"{value:.4g}")

@@ -1,0 +1,301 @@
+"""`NaNOnsetDetector`: the first step, tensor, layer and replica where training went non-finite."""
+
+import collections
+import math
+import numbers
+import os
+
+import keras
+
+from keras_safe_dist import _nan_locate
+from keras_safe_dist import _nan_probe
+from keras_safe_dist import _nan_replay
+from keras_safe_dist import _nan_report
+from keras_safe_dist import _update
+from keras_safe_dist import distributed
+from keras_safe_dist import summaries
+from keras_safe_dist.model import SafeDistributedModel
+
+__all__ = ["NaNOnsetDetector"]
+
+ACTIONS = ("stop", "restore", "continue")
+
+
+@keras.saving.register_keras_serializable(package="keras_safe_dist")
+class NaNOnsetDetector(keras.callbacks.Callback):
+    """Finds the first step at which training went non-finite, and why.
+
+    With a `SafeDistributedModel`, the train step checks, on every replica, its
+    share of the inputs (`x`, `y`, `sample_weight`), its loss and its
+    gradients, and the weights after the update. The flags travel with the
+    step's logs as a few scalars (no extra collective, no extra host round
+    trip; Keras's TensorFlow trainer already turns the logs into Python numbers
+    before any batch hook). On the first step that fires, the replica copies
+    its share of the batch in-graph; the detector then replays that share once,
+    eagerly, checking every layer's output, and reports:
+
+    - `epoch`, `batch`: 0-based, as Keras counts batches in an epoch (with
+      gradient accumulation, the micro-batch where the value entered);
+    - `kind`: `inputs`, `loss`, `activations` (a layer made a non-finite output
+      from finite inputs), `gradients` or `weights` (the update overflowed);
+    - `layer`: the first layer, in forward order, whose output is non-finite
+      from finite inputs on that batch, or None;
+    - `variables`: paths of the non-finite gradients or weights;
+    - `replica` / `replicas`: the replicas whose share fired (None / [] for
+      weights, or with more than 24 replicas);
+    - `history`: epoch, batch, logged loss and `grad_norm` of the last
+      `history` steps.
+
+    It writes `nan_onset.json`, the batch (`nan_onset_batch.npz`) and a
+    markdown summary (`tf.summary.text`, tag `nan_onset`) into `log_dir` (the
+    chief only), prints one paragraph, and keeps the report in `self.report`.
+
+    With a plain `keras.Model` only the logged loss is checked each step, and
+    the weights when it turns non-finite and at epoch ends: the report has
+    `kind` `loss` or `weights`, but no layer, replica, gradients or batch.
+
+    Every replica and worker reads the same reduced logs, so all take the same
+    decision. Under a `LossScaleOptimizer` non-finite gradients are routine (the
+    update is skipped and the scale halves) and are not reported.
+
+    Args:
+        log_dir: directory for the report files, or None to write nothing.
+        action: `"stop"` ends training after the onset batch (with
+            `skip_nonfinite`, its update was skipped). `"restore"` also puts
+            back the weights and optimizer state from before that batch; it
+            keeps one copy of both, refreshed every step. `"continue"` keeps
+            training with non-finite updates skipped (SafeDistributedModel with
+            `skip_nonfinite=True` only) and stops after
+            `max_consecutive_skips` skipped updates in a row.
+        history: number of steps of loss and grad norm kept for the report;
+            integer >= 1.
+        max_consecutive_skips: with `action="continue"`, how many skipped
+            updates in a row end training; integer >= 1.
+
+    Raises:
+        ValueError: for an invalid argument; when training begins, for
+            `action="continue"` without a SafeDistributedModel that skips
+            non-finite updates, or for `steps_per_execution > 1`.
+
+    Example:
+
+    ```python
+    detector = NaNOnsetDetector(log_dir="logs/run1", action="restore")
+    model.fit(x, y, callbacks=[detector])
+    if detector.report:
+        print(detector.report["kind"], detector.report["layer"])
+    ```
+    """
+
+    def __init__(self, log_dir=None, action="stop", history=50, max_consecutive_skips=10):
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise ValueError(
+                "`log_dir` must be a string, a path or None. "
+                f"Received: log_dir={log_dir!r}"
+            )
+        if action not in ACTIONS:
+            raise ValueError(
+                f"`action` must be one of {', '.join(repr(a) for a in ACTIONS)}. "
+                f"Received: action={action!r}"
+            )
+        for name, value in (("history", history), ("max_consecutive_skips", max_consecutive_skips)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(
+                    f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
+                )
+        super().__init__()
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.action = action
+        self.history = int(history)
+        self.max_consecutive_skips = int(max_consecutive_skips)
+        self.report = None
+
+    def nan_probe_request(self):
+        """What `SafeDistributedModel.fit` builds into its train step for this detector."""
+        return _nan_probe.ProbeRequest(
+            snapshot=self.action == "restore", count_updates=self.action == "continue"
+        )
+
+    def get_config(self):
+        return {
+            "log_dir": self.log_dir,
+            "action": self.action,
+            "history": self.history,
+            "max_consecutive_skips": self.max_consecutive_skips,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    # Per-run state.
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._probe = getattr(model, "_nan_probe", None)
+        self._full = isinstance(model, SafeDistributedModel) and self._probe is not None
+        if self.action == "continue" and not (self._full and model.skip_nonfinite):
+            raise ValueError(
+                "NaNOnsetDetector(action='continue') needs a SafeDistributedModel with "
+                "skip_nonfinite=True, which skips non-finite updates. Received: "
+                f"{type(model).__name__}"
+                + (f" with skip_nonfinite={model.skip_nonfinite}" if self._full else "")
+                + ". Use action='stop' or 'restore', or a SafeDistributedModel."
+            )
+        if getattr(model, "steps_per_execution", 1) > 1:
+            raise ValueError(
+                "NaNOnsetDetector reads every step's logs, and Keras returns only the "
+                "last step's logs of each execution. Received: "
+                f"steps_per_execution={model.steps_per_execution}. Use steps_per_execution=1."
+            )
+        self.report = None
+        self._replicas = model.distribute_strategy.num_replicas_in_sync
+        self._recent = collections.deque(maxlen=self.history)
+        self._step = 0
+        self._epoch = 0
+        self._last_batch = None
+        self._previous = None
+        self._consecutive = 0
+        self._skipped_seen = 0
+        self._applied_seen = 0
+        self._plain_snapshots = None
+        if self._probe is not None:
+            self._probe.reset()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._applied_seen = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.action == "restore" and not self._full:
+            # Plain keras.Model: two rotating copies, taken eagerly (no host sync).
+            if self._plain_snapshots is None:
+                self._plain_snapshots = _nan_locate.PlainSnapshots(self.model)
+            self._plain_snapshots.take(self._step)
+
+    # This hook reads the step's logs. Keras's TensorFlow trainer never
+    # dispatches batch hooks asynchronously (its backend is not thread safe)
+    # and converts the logs to Python numbers before calling any of them, so
+    # overriding it adds no host sync.
+    def on_train_batch_end(self, batch, logs=None):
+        logs = logs or {}
+        flags = {name: logs.pop(name) for name in _nan_probe.LOG_NAMES if name in logs}
+        loss, norm = logs.get("loss"), logs.get("grad_norm")
+        self._recent.append({"epoch": self._epoch, "batch": batch, "loss": loss, "grad_norm": norm})
+        self._previous, self._last_batch = self._last_batch, (self._epoch, batch)
+        self._step += 1
+        step = _nan_probe.decode(flags, self._replicas) if flags else None
+        if self.report is None:
+            norm_bad = norm is not None and not math.isfinite(norm) and not self._loss_scaled()
+            loss_bad = loss is not None and not math.isfinite(loss)
+            if step is not None and (step.local or step.weights or norm_bad or loss_bad):
+                self._onset(batch, step, norm_bad)
+            elif loss_bad:
+                self._onset(batch, None, False)
+        if self.action == "continue" and step is not None:
+            self._count_skips(logs.get("skipped_updates"), step.applied_updates > self._applied_seen)
+            self._applied_seen = step.applied_updates
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        for name in _nan_probe.LOG_NAMES:
+            logs.pop(name, None)
+        if self.action == "continue" and self._full and not self.model.stop_training:
+            # A partial accumulation group may have been applied or skipped
+            # after the last step (SafeDistributedModel's epoch-end flush).
+            applied = self._updates_in_epoch()
+            self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
+        if self.report is None and self._last_batch is not None:
+            bad = _nan_replay.nonfinite_paths(self.model.trainable_weights)
+            if bad:
+                self._onset(self._last_batch[1], None, False, weights=bad)
+
+    # Onset.
+
+    def _onset(self, batch, step, norm_bad, weights=None):
+        model = self.model
+        report = {
+            "epoch": self._epoch,
+            "batch": batch,
+            "step": self._step - 1,
+            "kind": None,
+            "layer": None,
+            "variables": [],
+            "replica": None,
+            "replicas": [],
+            "history": list(self._recent),
+            "action": self.action,
+            "model": type(model).__name__,
+            "localized": self._full,
+            "notes": [],
+            "files": {},
+        }
+        shares = {}
+        if self._full:
+            shares = _nan_locate.locate(model, self._probe, report, step, norm_bad, weights)
+        else:
+            self._onset_plain(report, weights)
+        if self.action == "restore":
+            self._restore(report)
+        if self.action != "continue":
+            model.stop_training = True
+        _nan_report.finish(report, self.action, self.max_consecutive_skips)
+        named = {r: self._probe.named(share) for r, share in shares.items()}
+        _nan_report.write(report, self.log_dir, named, report["step"])
+        self.report = report
+        if distributed.is_chief(model.distribute_strategy):
+            print(report["summary"])
+
+    def _onset_plain(self, report, weights):
+        report["notes"].append(_nan_report.PLAIN_MODEL_NOTE)
+        report["kind"] = "weights" if weights else "loss"
+        report["variables"] = weights or _nan_replay.nonfinite_paths(self.model.trainable_weights)
+        if self._plain_snapshots is not None and not weights and self._previous is not None:
+            broken = self._plain_snapshots.nonfinite_before(self._step - 1)
+            if broken:
+                # The weights were already non-finite when this batch began: the
+                # previous batch's update made them so.
+                report.update(kind="weights", variables=broken)
+                report["epoch"], report["batch"] = self._previous
+
+    def _restore(self, report):
+        if self._full:
+            self._probe.restore()
+            report["restored_to"] = "before this batch"
+            return
+        restored = None
+        if self._plain_snapshots is not None:
+            restored = self._plain_snapshots.restore(self._step - 1)
+        if restored is None:
+            report["notes"].append("No finite copy of the weights was available to restore.")
+        report["restored_to"] = restored
+
+    # Helpers.
+
+    def _count_skips(self, skipped, applied):
+        if skipped is None:
+            return
+        new = int(round(skipped)) - self._skipped_seen
+        self._skipped_seen = int(round(skipped))
+        if new > 0:
+            self._consecutive += new
+        elif applied:
+            self._consecutive = 0
+        if self._consecutive >= self.max_consecutive_skips and not self.model.stop_training:
+            self.model.stop_training = True
+            epoch, batch = self._last_batch
+            finding = _nan_report.skips_finding(self._consecutive, epoch, batch)
+            print(f"NaNOnsetDetector: {finding.message}; training stopped. {finding.fix}")
+            if self.report is not None:
+                self.report["skips"] = finding.to_dict()
+                if self.log_dir is not None:
+                    summaries.write_json(self.log_dir, _nan_report.REPORT_FILE, self.report)
+
+    def _loss_scaled(self):
+        return isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+    def _updates_in_epoch(self):
+        stats = self.model._update_engine.stats.numpy()
+        return int(stats[_update._STATS.index("updates_in_epoch")])
+
+

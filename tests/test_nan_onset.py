@@ -1,0 +1,310 @@
+"""NaNOnsetDetector: injected faults, each with its exact report, the actions and the files."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.callbacks import NaNOnsetDetector
+
+from conftest import regression_data
+from conftest import strategy_for
+
+BATCH = 8
+TOLERANCE = 1e-5
+
+
+@keras.saving.register_keras_serializable(package="keras_safe_dist_tests")
+class Fragile(keras.layers.Layer):
+    """log(1 + x): finite for the data below, NaN where a feature is < -1."""
+
+    def call(self, inputs):
+        return tf.math.log(1.0 + inputs)
+
+
+class Root(keras.layers.Layer):
+    """sqrt(x * w): finite forward for x >= 0, NaN gradient for w where x == 0."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="w")
+
+    def call(self, inputs):
+        return tf.sqrt(inputs * self.w)
+
+
+class SquareRootLoss(keras.losses.Loss):
+    """sqrt(|y_pred| - y_true): NaN where y_true > |y_pred|, inputs and outputs finite."""
+
+    def call(self, y_true, y_pred):
+        return tf.sqrt(tf.abs(y_pred) - y_true + 100.0)
+
+
+def data(samples=64):
+    x, y, _ = regression_data(samples)
+    return np.abs(x), y
+
+
+def build(replicas, model_class=SafeDistributedModel, first=None, optimizer=None, loss="mse", **options):
+    with strategy_for(replicas).scope():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        hidden = first(inputs) if first is not None else inputs
+        hidden = keras.layers.Dense(3, activation="tanh", name="hidden")(hidden)
+        outputs = keras.layers.Dense(1, name="out")(hidden)
+        model = model_class(inputs, outputs, **options)
+        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05), loss=loss)
+    return model
+
+
+def fit(model, x, y, detector, epochs=1):
+    return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[detector])
+
+
+def reference_weights(x, y, batches, first=None, batch_size=BATCH, lr=0.05):
+    """Stock keras.Model on one device after `batches` updates."""
+    model = build(1, keras.Model, first=first, optimizer=lambda: keras.optimizers.SGD(lr))
+    model.fit(x[: batches * batch_size], y[: batches * batch_size], batch_size=batch_size, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def assert_weights_close(expected, actual):
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, rtol=TOLERANCE, atol=1e-6)
+
+
+def test_nan_in_one_input_sample_names_its_batch_replica_and_writes_files(replicas, tmp_path):
+    x, y = data()
+    x[37, 2] = np.nan  # batch 4, row 5: the second replica's share with 2 replicas
+    model = build(replicas)
+    detector = NaNOnsetDetector(log_dir=tmp_path, history=3)
+    history = fit(model, x, y, detector, epochs=2).history
+    report = detector.report
+    replica = 1 if replicas == 2 else 0
+    assert (report["epoch"], report["batch"], report["kind"]) == (0, 4, "inputs")
+    assert (report["replica"], report["replicas"], report["layer"]) == (replica, [replica], None)
+    assert report["variables"] == [] and report["localized"] is True
+    assert [(h["epoch"], h["batch"]) for h in report["history"]] == [(0, 2), (0, 3), (0, 4)]
+    assert np.isnan(report["history"][-1]["loss"]) and np.isfinite(report["history"][0]["grad_norm"])
+    # "stop": training ended after batch 4, whose update was skipped.
+    assert history["skipped_updates"] == [1.0] and "nonfinite_kinds" not in history
+    assert_weights_close(reference_weights(x, y, 4), model.get_weights())
+    saved = json.loads((tmp_path / "nan_onset.json").read_text())
+    assert saved["kind"] == "inputs" and saved["batch"] == 4 and saved["finding"]["code"] == "NAN001"
+    batch = np.load(tmp_path / "nan_onset_batch.npz")
+    share = slice(36, 40) if replicas == 2 else slice(32, 40)
+    np.testing.assert_array_equal(batch["x"], x[share])
+    np.testing.assert_array_equal(batch["y"], y[share])
+    np.testing.assert_array_equal(batch["replica"], [replica] * (40 - share.start))
+    events = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("nan_onset")[0]
+    markdown = text.tensor_proto.string_val[0].decode()
+    assert text.step == 4 and "| kind | inputs |" in markdown and "| batch | 4 |" in markdown
+    assert "NaN onset at epoch 0, batch 4" in markdown
+
+
+def test_layer_that_makes_nan_on_one_batch_is_named(replicas, capsys):
+    x, y = data()
+    x[19, 1] = -3.0  # batch 2: log(1 - 3) is NaN
+    model = build(replicas, first=Fragile(name="fragile"))
+    detector = NaNOnsetDetector()
+    fit(model, x, y, detector)
+    report = detector.report
+    # Row 3 of 8: the first replica's share.
+    assert (report["batch"], report["kind"], report["layer"], report["replicas"]) == (2, "activations", "fragile", [0])
+    assert report["finding"]["subject"] == "fragile"
+    printed = capsys.readouterr().out
+    assert "First layer with a non-finite output from finite inputs: fragile." in printed
+
+
+def test_subclassed_model_names_the_nested_layer():
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.fragile = Fragile(name="inner_fragile")
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, inputs):
+            return self.dense(self.fragile(inputs))
+
+    class Net(SafeDistributedModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = Block(name="block")
+            self.out = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.out(self.block(inputs))
+
+    x, y = data()
+    x[50, 0] = -2.0  # batch 6
+    model = Net()
+    model.compile(optimizer="sgd", loss="mse")
+    detector = NaNOnsetDetector()
+    fit(model, x, y, detector)
+    assert (detector.report["batch"], detector.report["kind"], detector.report["layer"]) == (6, "activations", "inner_fragile")
+
+
+def test_loss_function_that_makes_nan_reports_loss_without_a_layer():
+    x, y = data()
+    y[13] = 1000.0  # batch 1: sqrt of a negative number in the loss
+    model = build(1, loss=SquareRootLoss())
+    detector = NaNOnsetDetector()
+    fit(model, x, y, detector)
+    assert (detector.report["batch"], detector.report["kind"], detector.report["layer"]) == (1, "loss", None)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_nan_gradient_from_finite_loss_names_the_variable_and_replica(replicas, steps):
+    x, y = data()
+    x[29] = 0.0  # batch 3, row 5: d sqrt(x * w) / dw = 0 / 0 on the second replica's share
+    model = build(replicas, first=Root(name="root"), gradient_accumulation_steps=steps)
+    detector = NaNOnsetDetector()
+    fit(model, x, y, detector)
+    report = detector.report
+    assert (report["batch"], report["kind"], report["layer"]) == (3, "gradients", None)
+    assert report["variables"] == ["root/w"]
+    assert report["replicas"] == [replicas - 1]
+
+
+def exploding(step):
+    return tf.where(step < 3, 0.05, 1e38)
+
+
+class Exploding(keras.optimizers.schedules.LearningRateSchedule):
+    def __call__(self, step):
+        return exploding(step)
+
+
+def test_exploding_learning_rate_restores_last_finite_weights_and_optimizer_state(replicas):
+    x, y = data()
+    y = y * 100.0  # gradients large enough for 1e38 * g to overflow
+    model = build(replicas, optimizer=lambda: keras.optimizers.SGD(Exploding()))
+    detector = NaNOnsetDetector(action="restore")
+    fit(model, x, y, detector)
+    report = detector.report
+    assert (report["batch"], report["kind"], report["replicas"]) == (3, "weights", [])
+    assert report["variables"] and set(report["variables"]) <= {"hidden/kernel", "hidden/bias", "out/kernel", "out/bias"}
+    assert report["restored_to"] == "before this batch"
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert_weights_close(reference_weights(x, y, 3), model.get_weights())
+    assert int(model.optimizer.iterations.numpy()) == 3
+
+
+def test_accumulation_reports_the_micro_batch_and_skips_its_group(replicas):
+    x, y = data()
+    x[33, 0] = np.inf  # micro-batch 4 (first of the third group), the first replica's share
+    model = build(replicas, gradient_accumulation_steps=2)
+    detector = NaNOnsetDetector()
+    history = fit(model, x, y, detector).history
+    report = detector.report
+    assert (report["batch"], report["kind"], report["replicas"]) == (4, "inputs", [0])
+    # The pending group (micro-batch 4 only) was flushed at the epoch end and skipped.
+    assert history["skipped_updates"] == [1.0]
+    assert_weights_close(reference_weights(x, y, 2, batch_size=2 * BATCH), model.get_weights())
+
+
+def test_healthy_training_is_identical_with_and_without_detector(replicas):
+    x, y = data()
+    plain = build(replicas)
+    expected = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    model = build(replicas)
+    detector = NaNOnsetDetector(action="restore")
+    history = fit(model, x, y, detector, epochs=2).history
+    assert detector.report is None
+    assert history == expected
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # A later fit without the detector drops the checks from the step.
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert model._nan_probe is None
+
+
+def test_continue_skips_nonfinite_updates_then_stops_after_too_many_in_a_row(capsys):
+    x, y = data()
+    for batch in (1, 4, 5, 6):
+        x[batch * BATCH, 3] = np.nan
+    model = build(1)
+    detector = NaNOnsetDetector(action="continue", max_consecutive_skips=3)
+    history = fit(model, x, y, detector, epochs=2).history
+    report = detector.report
+    assert (report["batch"], report["kind"]) == (1, "inputs")
+    assert report["skips"]["code"] == "NAN002"
+    assert report["skips"]["message"] == (
+        "3 consecutive updates were skipped as non-finite, the last at epoch 0, batch 6"
+    )
+    assert history["skipped_updates"] == [4.0] and len(history["loss"]) == 1
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert "3 consecutive updates were skipped" in capsys.readouterr().out
+
+
+def test_plain_keras_model_reports_loss_and_says_what_is_not_localized(replicas, capsys):
+    x, y = data()
+    x[37, 2] = np.nan
+    model = build(replicas, keras.Model)
+    detector = NaNOnsetDetector()
+    fit(model, x, y, detector)
+    report = detector.report
+    assert (report["batch"], report["kind"], report["layer"], report["replica"]) == (4, "loss", None, None)
+    assert report["localized"] is False and report["files"] == {}
+    assert "the layer, the replica and the batch itself are not localized" in capsys.readouterr().out
+
+
+def test_plain_keras_model_restore_finds_the_update_that_broke_the_weights(replicas):
+    x, y = data()
+    y = y * 100.0
+    model = build(replicas, keras.Model, optimizer=lambda: keras.optimizers.SGD(Exploding()))
+    detector = NaNOnsetDetector(action="restore")
+    fit(model, x, y, detector)
+    report = detector.report
+    # The loss turns non-finite at batch 4; the weights were already broken by batch 3's update.
+    assert (report["batch"], report["kind"], report["restored_to"]) == (3, "weights", "before the previous batch")
+    assert_weights_close(reference_weights(x, y, 3), model.get_weights())
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"action": "halt"}, "`action` must be one of 'stop', 'restore', 'continue'. Received: action='halt'"),
+        ({"history": 0}, "`history` must be an integer >= 1. Received: history=0"),
+        ({"history": 2.5}, "Received: history=2.5"),
+        ({"max_consecutive_skips": True}, "`max_consecutive_skips` must be an integer >= 1. Received: max_consecutive_skips=True"),
+        ({"log_dir": 3}, "`log_dir` must be a string, a path or None. Received: log_dir=3"),
+    ],
+)
+def test_bad_arguments_raise_naming_argument_and_value(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        NaNOnsetDetector(**kwargs)
+    assert message in str(error.value)
+
+
+def test_continue_needs_a_model_that_skips_nonfinite_updates():
+    x, y = data(16)
+    for model, received in (
+        (build(1, keras.Model), "Received: Functional."),
+        (build(1, skip_nonfinite=False), "Received: SafeDistributedFunctional with skip_nonfinite=False."),
+    ):
+        with pytest.raises(ValueError, match="needs a SafeDistributedModel with skip_nonfinite=True") as error:
+            fit(model, x, y, NaNOnsetDetector(action="continue"))
+        assert received in str(error.value)
+
+
+def test_steps_per_execution_above_one_is_refused():
+    x, y = data(16)
+    model = build(1)
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    with pytest.raises(ValueError, match="Received: steps_per_execution=2. Use steps_per_execution=1."):
+        fit(model, x, y, NaNOnsetDetector())
+
+
+def test_config_round_trip(tmp_path):
+    detector = NaNOnsetDetector(log_dir=tmp_path, action="continue", history=7, max_consecutive_skips=2)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(detector))
+    assert isinstance(restored, NaNOnsetDetector)
+    assert restored.get_config() == {
+        "log_dir": str(tmp_path), "action": "continue", "history": 7, "max_consecutive_skips": 2
+    }
