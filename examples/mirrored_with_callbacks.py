@@ -3,7 +3,8 @@
 Two logical CPUs stand in for two devices. A small classifier with
 BatchNormalization and Dropout trains on synthetic data with gradient
 accumulation and clipping, watched by the audits (scope, aggregation,
-training mode) and the Dashboard, all writing into one log directory next to
+training mode), the NaN onset detector and the Dashboard, all writing into one
+log directory next to
 Keras's own TensorBoard callback. At the end the script prints what
 `keras-safe-dist report LOGDIR` prints, and the command to open TensorBoard.
 
@@ -59,6 +60,7 @@ def main(log_dir):
         callbacks.ScopeAudit(log_dir=log_dir),
         callbacks.AggregationAudit(log_dir=log_dir),
         callbacks.TrainingModeAudit(log_dir=log_dir),
+        callbacks.NaNOnsetDetector(log_dir=log_dir),
         callbacks.Dashboard(log_dir),
         keras.callbacks.TensorBoard(log_dir),
     ]

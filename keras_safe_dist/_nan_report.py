@@ -110,9 +110,9 @@ def markdown(report):
     return "**NaN onset**\n\n" + "\n".join(rows) + "\n\n" + report["summary"]
 
 
-def write(report, log_dir, shares, step):
+def write(report, log_dir, shares, step, strategy):
     """Writes the JSON report, the batch and the TensorBoard text; chief only."""
-    if log_dir is None or not is_chief():
+    if log_dir is None or not is_chief(strategy):
         return
     if shares:
         report["files"]["batch"] = os.path.join(log_dir, BATCH_FILE)
@@ -121,8 +121,8 @@ def write(report, log_dir, shares, step):
     if shares:
         os.makedirs(log_dir, exist_ok=True)
         np.savez(report["files"]["batch"], **_batch_arrays(shares))
-    summaries.write_json(log_dir, REPORT_FILE, report)
-    summaries.write_text(log_dir, TAG, markdown(report), step=step)
+    summaries.write_json(log_dir, REPORT_FILE, report, strategy=strategy)
+    summaries.write_text(log_dir, TAG, markdown(report), step=step, strategy=strategy)
 
 
 def skips_finding(count, epoch, batch):

@@ -63,7 +63,7 @@ class LogDirReport:
         """The audit findings, plus `NAN001` for a NaN onset."""
         findings = [f for report in self.audits for f in report.findings]
         if self.nan_onset is not None:
-            findings.append(_nan_finding(self.nan_onset))
+            findings += _nan_findings(self.nan_onset)
         return findings
 
     def failing(self, fail_on):
@@ -134,6 +134,20 @@ def _scalar(proto):
     return float(tf.make_ndarray(proto))
 
 
+def _nan_findings(onset):
+    """NAN001 for the onset, and NAN002 when training stopped on skips.
+
+    Uses the findings `NaNOnsetDetector` stored in the report, or builds
+    NAN001 from the report's fields.
+    """
+    findings = [
+        Finding(**onset["finding"]) if "finding" in onset else _nan_finding(onset)
+    ]
+    if "skips" in onset:
+        findings.append(Finding(**onset["skips"]))
+    return findings
+
+
 def _nan_finding(onset):
     where = f"epoch {onset.get('epoch')}, batch {onset.get('batch')}"
     layer = onset.get("layer")
@@ -159,7 +173,7 @@ def format_text(report, fail_on="error"):
         (audit.name, f) for audit in report.audits for f in audit.findings
     ]
     if report.nan_onset is not None:
-        findings.append(("nan onset", _nan_finding(report.nan_onset)))
+        findings += [("nan onset", f) for f in _nan_findings(report.nan_onset)]
     if findings:
         lines += [
             "| audit | code | severity | subject | message | fix |",
@@ -177,10 +191,8 @@ def format_text(report, fail_on="error"):
         lines.append("none recorded")
     else:
         onset = report.nan_onset
-        lines.append(
-            onset.get("paragraph")
-            or _nan_finding(onset).subject + ": " + _nan_finding(onset).message
-        )
+        first = _nan_findings(onset)[0]
+        lines.append(onset.get("summary") or f"{first.subject}: {first.message}")
     lines += ["", "Update statistics per run:"]
     if report.runs:
         lines += [

@@ -152,3 +152,24 @@ def test_dashboard_writes_its_layout_once_per_run_and_the_statistics(tmp_path):
 def test_dashboard_rejects_a_bad_log_dir():
     with pytest.raises(TypeError, match=r"`log_dir` must be a path \(str or os.PathLike\). Received: log_dir=None"):
         callbacks.Dashboard(None)
+
+
+def test_report_reads_the_nan_onset_detector_output(tmp_path, capsys):
+    x = X.copy()
+    x[5, 1] = np.nan  # second batch of 4
+    with strategy_for(1).scope():
+        inputs = keras.Input((3,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    detector = callbacks.NaNOnsetDetector(log_dir=str(tmp_path))
+    model.fit(x, Y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[detector])
+    printed = capsys.readouterr().out
+    assert printed.strip() == detector.report["summary"]
+    code, out, _ = run_cli(capsys, str(tmp_path), "--json")
+    assert code == 1
+    data = json.loads(out)
+    assert (data["nan_onset"]["epoch"], data["nan_onset"]["batch"], data["nan_onset"]["kind"]) == (0, 1, "inputs")
+    assert data["counts"]["error"] == 1
+    code, out, _ = run_cli(capsys, str(tmp_path))
+    assert f"| nan onset | NAN001 | error | {detector.report['finding']['subject']} |" in out
+    assert detector.report["summary"] in out

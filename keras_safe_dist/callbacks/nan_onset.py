@@ -241,7 +241,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             model.stop_training = True
         _nan_report.finish(report, self.action, self.max_consecutive_skips)
         named = {r: self._probe.named(share) for r, share in shares.items()}
-        _nan_report.write(report, self.log_dir, named, report["step"])
+        _nan_report.write(
+            report, self.log_dir, named, report["step"], model.distribute_strategy
+        )
         self.report = report
         if distributed.is_chief(model.distribute_strategy):
             print(report["summary"])
@@ -289,7 +291,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             if self.report is not None:
                 self.report["skips"] = finding.to_dict()
                 if self.log_dir is not None:
-                    summaries.write_json(self.log_dir, _nan_report.REPORT_FILE, self.report)
+                    summaries.write_json(
+                        self.log_dir,
+                        _nan_report.REPORT_FILE,
+                        self.report,
+                        strategy=self.model.distribute_strategy,
+                    )
 
     def _loss_scaled(self):
         return isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)

@@ -30,9 +30,9 @@ class TrainingModeAudit(AuditCallback):
       across replicas (each replica updates its own copy).
 
     The report is published once, at that step (or at train end when fewer
-    steps ran). The batch hook reads variables only on that one batch and is
-    safe for Keras's asynchronous batch-callback dispatch, so training never
-    waits on it.
+    steps ran). The batch hook reads variables on that one batch only and
+    returns at once on every other; it is also safe for Keras's asynchronous
+    batch-callback dispatch on backends that use it.
 
     Args:
         check_after_steps: training batches to run before comparing. Integer
@@ -56,7 +56,8 @@ class TrainingModeAudit(AuditCallback):
                 f"Received: check_after_steps={check_after_steps!r}"
             )
         self.check_after_steps = int(check_after_steps)
-        # Batch hooks may run on Keras's dispatch threads.
+        # Keras dispatches batch hooks on threads on thread-safe backends (not
+        # TensorFlow, where they run on the training thread).
         self.async_safe = True
         self._lock = threading.Lock()
         self._snapshot = None
