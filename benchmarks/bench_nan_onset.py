@@ -1,7 +1,10 @@
 """Step time of `SafeDistributedModel` with and without `NaNOnsetDetector`, and under
-`tf.debugging.enable_check_numerics`, on the same small MLP while training is healthy.
+`tf.debugging.enable_check_numerics`, on the same MLP while training is healthy.
 
-In this process, fit() calls without the detector, with `NaNOnsetDetector()`
+Two models: a small MLP (32-256-256-10, about 2 ms per step on 2 CPU cores), where
+the detector's fixed per-step cost weighs most, and a medium MLP
+(256-1024-1024-10). In this process, fit() calls without the detector, with
+`NaNOnsetDetector()`
 ("stop") and with `NaNOnsetDetector(action="restore")` alternate (rotating
 which goes first), after a warm-up call of each, on one device and on two
 replicas (two logical CPUs under one `MirroredStrategy`). The table gives
@@ -35,7 +38,9 @@ import keras  # noqa: E402
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
 from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
 
-FEATURES, WIDTH, SAMPLES, BATCH = 32, 256, 8192, 256
+# name: (input features, hidden width, samples)
+MODELS = {"small MLP": (32, 256, 8192), "medium MLP": (256, 1024, 4096)}
+BATCH = 256
 EPOCHS_PER_TIMING = 3
 CONFIGS = {
     "none": lambda: [],
@@ -44,12 +49,12 @@ CONFIGS = {
 }
 
 
-def _model(strategy):
+def _model(strategy, features, width):
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        inputs = keras.Input((FEATURES,))
-        hidden = keras.layers.Dense(WIDTH, activation="relu")(inputs)
-        hidden = keras.layers.Dense(WIDTH, activation="relu")(hidden)
+        inputs = keras.Input((features,))
+        hidden = keras.layers.Dense(width, activation="relu")(inputs)
+        hidden = keras.layers.Dense(width, activation="relu")(hidden)
         model = SafeDistributedModel(inputs, keras.layers.Dense(10)(hidden))
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
@@ -59,9 +64,9 @@ def _model(strategy):
     return model
 
 
-def _dataset(samples):
+def _dataset(samples, features):
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(samples, FEATURES)).astype("float32")
+    x = rng.normal(size=(samples, features)).astype("float32")
     y = rng.integers(0, 10, size=samples).astype("int32")
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
@@ -73,28 +78,33 @@ def _timed_epoch(model, dataset, callbacks):
     return (time.perf_counter() - start) / EPOCHS_PER_TIMING
 
 
-def bench_detector(repeats, samples):
-    """Median epoch seconds per configuration and setting, interleaved."""
-    dataset = _dataset(samples)
-    settings = {
-        "1 device": tf.distribute.get_strategy(),
-        "2 replicas": tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
-    }
+def bench_detector(repeats, scale):
+    """Median epoch seconds per configuration, model and setting, interleaved."""
+    mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     results = {}
-    for setting, strategy in settings.items():
-        # One model per configuration: a model with and without the detector
-        # keeps different train functions.
-        models = {name: _model(strategy) for name in CONFIGS}
-        for name, model in models.items():
-            _timed_epoch(model, dataset, CONFIGS[name]())  # warm-up: tracing
-        times = {name: [] for name in CONFIGS}
-        names = list(CONFIGS)
-        for repeat in range(repeats):
-            shift = repeat % len(names)
-            for name in names[shift:] + names[:shift]:
-                times[name].append(_timed_epoch(models[name], dataset, CONFIGS[name]()))
-        results[setting] = _summary(times, samples)
+    for model_name, (features, width, samples) in MODELS.items():
+        samples = samples // scale
+        dataset = _dataset(samples, features)
+        for setting, strategy in (("1 device", tf.distribute.get_strategy()), ("2 replicas", mirrored)):
+            results[f"{model_name}, {setting}"] = _bench_setting(
+                repeats, strategy, dataset, samples, features, width
+            )
     return results
+
+
+def _bench_setting(repeats, strategy, dataset, samples, features, width):
+    # One model per configuration: a model with and without the detector
+    # keeps different train functions.
+    models = {name: _model(strategy, features, width) for name in CONFIGS}
+    for name, model in models.items():
+        _timed_epoch(model, dataset, CONFIGS[name]())  # warm-up: tracing
+    times = {name: [] for name in CONFIGS}
+    names = list(CONFIGS)
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(_timed_epoch(models[name], dataset, CONFIGS[name]()))
+    return _summary(times, samples)
 
 
 def _summary(times, samples):
@@ -116,13 +126,14 @@ def _summary(times, samples):
 
 
 def check_numerics_worker(repeats, samples):
-    """Runs in a subprocess: 'none', then the same model with check_numerics."""
-    dataset = _dataset(samples)
-    model = _model(tf.distribute.get_strategy())
+    """Runs in a subprocess: 'none', then the same small MLP with check_numerics."""
+    features, width, _ = MODELS["small MLP"]
+    dataset = _dataset(samples, features)
+    model = _model(tf.distribute.get_strategy(), features, width)
     _timed_epoch(model, dataset, [])
     times = {"none": [_timed_epoch(model, dataset, []) for _ in range(repeats)]}
     tf.debugging.enable_check_numerics()
-    model = _model(tf.distribute.get_strategy())
+    model = _model(tf.distribute.get_strategy(), features, width)
     _timed_epoch(model, dataset, [])
     times["check_numerics"] = [_timed_epoch(model, dataset, []) for _ in range(repeats)]
     return times
@@ -147,13 +158,12 @@ def _print_report(report):
     setup = report["setup"]
     print(
         f"Median seconds per epoch over {setup['repeats']} interleaved fit() calls of "
-        f"{EPOCHS_PER_TIMING} epochs; SafeDistributedModel, MLP {FEATURES}-{WIDTH}-{WIDTH}-10, "
-        f"{setup['samples']} samples, batch {BATCH}, Adam"
+        f"{EPOCHS_PER_TIMING} epochs; SafeDistributedModel, batch {BATCH}, Adam"
     )
     header = f"{'setting':<30}{'config':<22}{'ms/epoch':>10}{'ratio of medians':>18}"
     print(header + f"{'median paired ratio':>21}{'ratio of minimums':>19}{'extra ms/step':>15}")
     sections = dict(report["detector"])
-    sections["1 device, own process"] = report["check_numerics"]
+    sections["small MLP, 1 device, own process"] = report["check_numerics"]
     for setting, rows in sections.items():
         for name, row in rows.items():
             print(
@@ -172,16 +182,17 @@ def main(argv=None):
     parser.add_argument("--check-numerics-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 9)
-    samples = args.samples or (SAMPLES // 4 if args.quick else SAMPLES)
+    scale = 4 if args.quick else 1
+    samples = args.samples or MODELS["small MLP"][2] // scale
     if repeats < 1:
         parser.error(f"--repeats must be >= 1. Received: --repeats={repeats}")
     if args.check_numerics_worker:
         print(json.dumps(check_numerics_worker(repeats, samples)))
         return
     report = {
-        "setup": {"repeats": repeats, "samples": samples, "batch": BATCH},
+        "setup": {"repeats": repeats, "models": MODELS, "scale": scale, "batch": BATCH},
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
-        "detector": bench_detector(repeats, samples),
+        "detector": bench_detector(repeats, scale),
         "check_numerics": bench_check_numerics(repeats, samples),
     }
     if args.json:
