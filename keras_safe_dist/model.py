@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import _nan_probe
+from keras_safe_dist import _validate
 from keras_safe_dist._update import UpdateEngine
 from keras_safe_dist.audits import scope as _scope
 
@@ -341,16 +342,9 @@ def _validate_options(
     clipvalue,
     skip_nonfinite,
 ):
-    steps = gradient_accumulation_steps
-    if (
-        isinstance(steps, bool)
-        or not isinstance(steps, numbers.Integral)
-        or steps < 1
-    ):
-        raise ValueError(
-            "`gradient_accumulation_steps` must be an integer >= 1. "
-            f"Received: gradient_accumulation_steps={steps!r}"
-        )
+    steps = _validate.integer_at_least(
+        "gradient_accumulation_steps", gradient_accumulation_steps
+    )
     clips = {
         "global_clipnorm": global_clipnorm,
         "clipnorm": clipnorm,

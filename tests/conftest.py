@@ -59,3 +59,16 @@ def relative_error(expected, actual):
         float(np.linalg.norm(e - a) / max(np.linalg.norm(e), 1e-12))
         for e, a in zip(expected, actual)
     )
+
+
+class SumCounter(keras.layers.Layer):
+    """Adds 1 each step to an on-write variable with `sum` aggregation (AGG003)."""
+
+    def build(self, shape):
+        self.count = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, aggregation="sum", name="count"
+        )
+
+    def call(self, x):
+        self.count.assign_add(1.0)
+        return x

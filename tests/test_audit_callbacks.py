@@ -14,22 +14,12 @@ from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
 from keras_safe_dist import summaries
 
+from conftest import SumCounter
 from conftest import mirrored_strategy
 from conftest import strategy_for
 
 X = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
 Y = X[:, :1] * 2.0
-
-
-class Counter(keras.layers.Layer):
-    """Adds 1 to an on-write `sum` variable each step (AGG003)."""
-
-    def build(self, shape):
-        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="sum", name="count")
-
-    def call(self, x):
-        self.count.assign_add(1.0)
-        return x
 
 
 class LastMean(keras.layers.Layer):
@@ -72,7 +62,7 @@ def fit(model, *cbs, epochs=1):
 
 
 def test_aggregation_audit_flags_an_on_write_sum_variable_at_train_begin(replicas):
-    model = build(strategy_for(replicas), Counter(name="counter"), keras.layers.Dense(1))
+    model = build(strategy_for(replicas), SumCounter(name="counter"), keras.layers.Dense(1))
     audit = callbacks.AggregationAudit(on_finding="ignore")
     fit(model, audit)
     assert [(f.code, f.severity, f.subject) for f in audit.report] == [("AGG003", "error", "counter/count")]
@@ -170,12 +160,12 @@ def test_training_mode_audit_checks_after_the_chosen_step_even_in_a_short_run():
 
 def test_on_finding_warn_raise_and_ignore():
     def run(**kwargs):
-        model = build(strategy_for(1), Counter(), keras.layers.Dense(1))
+        model = build(strategy_for(1), SumCounter(), keras.layers.Dense(1))
         audit = callbacks.AggregationAudit(**kwargs)
         fit(model, audit)
         return audit
 
-    with pytest.warns(callbacks.AuditWarning, match=r"aggregation audit: 1 error, 0 warnings, 0 info \(AGG003\)\n\[AGG003\] error counter/count: on-write"):
+    with pytest.warns(callbacks.AuditWarning, match=r"aggregation audit: 1 error, 0 warnings, 0 info \(AGG003\)\n\[AGG003\] error sum_counter/count: on-write"):
         run()
     with pytest.raises(callbacks.AuditError, match="AGG003") as raised:
         run(on_finding="raise")
@@ -188,7 +178,7 @@ def test_on_finding_warn_raise_and_ignore():
 
 def test_one_callback_object_reports_each_fit_afresh():
     audit = callbacks.AggregationAudit(on_finding="ignore")
-    fit(build(strategy_for(1), Counter(), keras.layers.Dense(1)), audit)
+    fit(build(strategy_for(1), SumCounter(), keras.layers.Dense(1)), audit)
     assert len(audit.report) == 1
     fit(build(strategy_for(1), keras.layers.Dense(1)), audit)
     assert len(audit.report) == 0
@@ -202,7 +192,7 @@ def read_events(log_dir):
 
 def test_reports_are_written_for_tensorboard_and_as_json(tmp_path, replicas):
     log_dir = str(tmp_path)
-    model = build(strategy_for(replicas), Counter(name="counter"), keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1))
+    model = build(strategy_for(replicas), SumCounter(name="counter"), keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1))
     cbs = [
         callbacks.ScopeAudit(log_dir=log_dir),
         callbacks.AggregationAudit(log_dir=log_dir, on_finding="ignore"),
@@ -230,7 +220,7 @@ def test_reports_are_written_for_tensorboard_and_as_json(tmp_path, replicas):
 def test_only_the_chief_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(summaries, "is_chief", lambda strategy=None: False)
     audit = callbacks.AggregationAudit(log_dir=str(tmp_path), on_finding="ignore")
-    fit(build(strategy_for(1), Counter(), keras.layers.Dense(1)), audit)
+    fit(build(strategy_for(1), SumCounter(), keras.layers.Dense(1)), audit)
     assert audit.report.codes() == ("AGG003",)
     assert os.listdir(tmp_path) == []
 

@@ -273,13 +273,17 @@ def test_plain_keras_model_restore_finds_the_update_that_broke_the_weights(repli
         ({"history": 0}, "`history` must be an integer >= 1. Received: history=0"),
         ({"history": 2.5}, "Received: history=2.5"),
         ({"max_consecutive_skips": True}, "`max_consecutive_skips` must be an integer >= 1. Received: max_consecutive_skips=True"),
-        ({"log_dir": 3}, "`log_dir` must be a string, a path or None. Received: log_dir=3"),
     ],
 )
 def test_bad_arguments_raise_naming_argument_and_value(kwargs, message):
     with pytest.raises(ValueError) as error:
         NaNOnsetDetector(**kwargs)
     assert message in str(error.value)
+
+
+def test_bad_log_dir_raises_a_type_error():
+    with pytest.raises(TypeError, match=r"`log_dir` must be a path \(str or os.PathLike\) or None. Received: log_dir=3"):
+        NaNOnsetDetector(log_dir=3)
 
 
 def test_continue_needs_a_model_that_skips_nonfinite_updates():

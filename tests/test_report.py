@@ -14,19 +14,11 @@ from keras_safe_dist import callbacks
 from keras_safe_dist import cli
 from keras_safe_dist.report import read_log_dir
 
+from conftest import SumCounter
 from conftest import strategy_for
 
 X = np.random.default_rng(1).normal(size=(20, 3)).astype("float32")
 Y = X[:, :1] * 3.0
-
-
-class Counter(keras.layers.Layer):
-    def build(self, shape):
-        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="sum", name="count")
-
-    def call(self, x):
-        self.count.assign_add(1.0)
-        return x
 
 
 def train(log_dir, replicas=2, *layers, epochs=2):
@@ -56,7 +48,7 @@ def run_cli(capsys, *argv):
 def test_report_prints_findings_and_statistics_and_fails_on_errors(tmp_path, capsys):
     frozen = keras.layers.BatchNormalization(name="frozen")
     frozen.trainable = False
-    history = train(str(tmp_path), 2, Counter(name="counter"), frozen)
+    history = train(str(tmp_path), 2, SumCounter(name="counter"), frozen)
     code, out, _ = run_cli(capsys, str(tmp_path))
     assert code == 1
     assert "Findings (1 error, 1 warning, 0 info):" in out

@@ -1,10 +1,10 @@
 """The base of the audit callbacks: reporting, silencing and acting on findings."""
 
-import os
 import warnings
 
 import keras
 
+from keras_safe_dist import _validate
 from keras_safe_dist import summaries
 from keras_safe_dist.findings import CODES
 
@@ -49,11 +49,6 @@ class AuditCallback(keras.callbacks.Callback):
 
     def __init__(self, log_dir=None, on_finding="warn", ignore=()):
         super().__init__()
-        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-            raise TypeError(
-                "`log_dir` must be a path (str or os.PathLike) or None. "
-                f"Received: log_dir={log_dir!r}"
-            )
         if on_finding not in _ON_FINDING:
             raise ValueError(
                 f"`on_finding` must be one of {_ON_FINDING}. "
@@ -70,7 +65,7 @@ class AuditCallback(keras.callbacks.Callback):
                 f"Unknown finding codes in `ignore`: {unknown}. "
                 f"Available: {', '.join(CODES)}"
             )
-        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.log_dir = _validate.optional_path("log_dir", log_dir)
         self.on_finding = on_finding
         self.ignore = tuple(ignore)
         self.report = None

@@ -2,8 +2,6 @@
 
 import collections
 import math
-import numbers
-import os
 
 import keras
 
@@ -12,6 +10,7 @@ from keras_safe_dist import _nan_probe
 from keras_safe_dist import _nan_replay
 from keras_safe_dist import _nan_report
 from keras_safe_dist import _update
+from keras_safe_dist import _validate
 from keras_safe_dist import distributed
 from keras_safe_dist import summaries
 from keras_safe_dist.model import SafeDistributedModel
@@ -88,26 +87,20 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     """
 
     def __init__(self, log_dir=None, action="stop", history=50, max_consecutive_skips=10):
-        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-            raise ValueError(
-                "`log_dir` must be a string, a path or None. "
-                f"Received: log_dir={log_dir!r}"
-            )
         if action not in ACTIONS:
             raise ValueError(
                 f"`action` must be one of {', '.join(repr(a) for a in ACTIONS)}. "
                 f"Received: action={action!r}"
             )
-        for name, value in (("history", history), ("max_consecutive_skips", max_consecutive_skips)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(
-                    f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
-                )
+        history = _validate.integer_at_least("history", history)
+        max_consecutive_skips = _validate.integer_at_least(
+            "max_consecutive_skips", max_consecutive_skips
+        )
         super().__init__()
-        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.log_dir = _validate.optional_path("log_dir", log_dir)
         self.action = action
-        self.history = int(history)
-        self.max_consecutive_skips = int(max_consecutive_skips)
+        self.history = history
+        self.max_consecutive_skips = max_consecutive_skips
         self.report = None
 
     def nan_probe_request(self):

@@ -1,8 +1,8 @@
 """`TrainingModeAudit`: layers that behave differently in training did so."""
 
-import numbers
 import threading
 
+from keras_safe_dist import _validate
 from keras_safe_dist.audits import TrainingModeSnapshot
 from keras_safe_dist.audits import frozen_batch_norm_findings
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
@@ -46,16 +46,9 @@ class TrainingModeAudit(AuditCallback):
 
     def __init__(self, check_after_steps=2, log_dir=None, on_finding="warn", ignore=()):
         super().__init__(log_dir=log_dir, on_finding=on_finding, ignore=ignore)
-        if (
-            isinstance(check_after_steps, bool)
-            or not isinstance(check_after_steps, numbers.Integral)
-            or check_after_steps < 1
-        ):
-            raise ValueError(
-                "`check_after_steps` must be an integer >= 1. "
-                f"Received: check_after_steps={check_after_steps!r}"
-            )
-        self.check_after_steps = int(check_after_steps)
+        self.check_after_steps = _validate.integer_at_least(
+            "check_after_steps", check_after_steps
+        )
         # Keras dispatches batch hooks on threads on thread-safe backends (not
         # TensorFlow, where they run on the training thread).
         self.async_safe = True

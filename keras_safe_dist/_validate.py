@@ -1,0 +1,40 @@
+"""Argument checks shared by the model and the callbacks.
+
+Each names the argument, what was expected and what was received.
+"""
+
+import numbers
+import os
+
+
+def integer_at_least(name, value, minimum=1):
+    """`value` as an int when it is an integer (not a bool) >= `minimum`.
+
+    Raises:
+        ValueError: otherwise.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+    ):
+        raise ValueError(
+            f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
+        )
+    return int(value)
+
+
+def optional_path(name, value):
+    """`value` as a str path, or None.
+
+    Raises:
+        TypeError: when `value` is neither None, a str nor an `os.PathLike`.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"`{name}` must be a path (str or os.PathLike) or None. "
+            f"Received: {name}={value!r}"
+        )
+    return os.fspath(value)
