@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow as tf
 
 from keras_safe_dist import cli
 from keras_safe_dist import doctor
@@ -192,6 +193,8 @@ def test_json_report_replaces_non_finite_figures():
 def test_strategy_needs_two_replicas_and_a_fresh_process():
     with pytest.raises(ValueError, match="Received: replicas=1"):
         doctor.make_strategy(1)
+    # Listing devices initialises TensorFlow with conftest's two logical CPUs.
+    assert len(tf.config.list_logical_devices("CPU")) == 2
     with pytest.raises(RuntimeError, match="needs 3 logical CPU devices, but TensorFlow was already initialised with 2"):
         doctor.make_strategy(3)
 

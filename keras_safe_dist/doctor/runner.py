@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 import keras_safe_dist
+from keras_safe_dist import _validate
 from keras_safe_dist.doctor.probe import Probe
 from keras_safe_dist.doctor.probe import Side
 from keras_safe_dist.doctor.probes import PROBES
@@ -85,10 +86,7 @@ def make_strategy(replicas):
         RuntimeError: when TensorFlow is already initialised with another
             number of logical CPU devices.
     """
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < MIN_REPLICAS:
-        raise ValueError(
-            f"`replicas` must be an integer >= {MIN_REPLICAS}. Received: replicas={replicas!r}"
-        )
+    replicas = _validate.integer_at_least("replicas", replicas, MIN_REPLICAS)
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(
