@@ -98,8 +98,20 @@ def inventory(model):
     """`(variable, VariableInfo)` for every variable of model, optimizer, metrics.
 
     Returns:
-        A list in a stable order: model variables, then the optimizer's, then
-        each metric's.
+        A list in the order of `all_variables`.
+    """
+    return [
+        (variable, describe(variable, owner, role))
+        for variable, owner, role in all_variables(model)
+    ]
+
+
+def all_variables(model):
+    """`(variable, owner, role)` for every variable of model, optimizer, metrics.
+
+    Returns:
+        A list in a stable order, each variable once: model variables, then
+        the optimizer's, then each metric's.
     """
     rows = []
     seen = set()
@@ -107,7 +119,7 @@ def inventory(model):
     def add(variable, owner, role):
         if id(variable) not in seen:
             seen.add(id(variable))
-            rows.append((variable, describe(variable, owner, role)))
+            rows.append((variable, owner, role))
 
     for variable in model.trainable_variables:
         add(variable, _owner_of(variable), "trainable")

@@ -54,7 +54,7 @@ def training_strategy(model, strategy=None):
     current = tf.distribute.get_strategy()
     if current is not default:
         return current
-    for variable, _ in _variables.inventory(model):
+    for variable, _, _ in _variables.all_variables(model):
         owner = _variables.strategy_of(variable)
         if owner is not default:
             return owner

@@ -2,7 +2,7 @@
 
 from keras_safe_dist.audits import aggregation_findings
 from keras_safe_dist.audits import training_strategy
-from keras_safe_dist.audits._variables import inventory
+from keras_safe_dist.audits._variables import all_variables
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
 from keras_safe_dist.findings import AuditReport
 
@@ -52,7 +52,7 @@ class AggregationAudit(AuditCallback):
         self._audit(step=0)
 
     def on_epoch_end(self, epoch, logs=None):
-        if epoch == 0 and len(inventory(self.model)) != len(self.variables):
+        if epoch == 0 and len(all_variables(self.model)) != len(self.variables):
             self._audit(step=1)
 
     def _audit(self, step):
