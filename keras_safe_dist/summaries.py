@@ -20,19 +20,14 @@ __all__ = ["write_json", "write_report", "write_scalars", "write_text"]
 
 def write_text(log_dir, tag, markdown, step=0, strategy=None):
     """Writes `markdown` as a `tf.summary.text` under `tag`; chief only."""
-    if not is_chief(strategy):
-        return
-    with _writer(log_dir) as writer, writer.as_default():
-        tf.summary.text(tag, markdown, step=step)
+    if is_chief(strategy):
+        _write_summaries(log_dir, step, texts={tag: markdown})
 
 
 def write_scalars(log_dir, scalars, step=0, strategy=None):
     """Writes each `{tag: value}` as a `tf.summary.scalar`; chief only."""
-    if not is_chief(strategy):
-        return
-    with _writer(log_dir) as writer, writer.as_default():
-        for tag, value in scalars.items():
-            tf.summary.scalar(tag, value, step=step)
+    if is_chief(strategy):
+        _write_summaries(log_dir, step, scalars=scalars)
 
 
 def write_json(log_dir, filename, data, strategy=None):
@@ -43,14 +38,7 @@ def write_json(log_dir, filename, data, strategy=None):
     """
     if not is_chief(strategy):
         return None
-    os.makedirs(log_dir, exist_ok=True)
-    path = os.path.join(log_dir, filename)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
+    return _write_json(log_dir, filename, data)
 
 
 def write_report(log_dir, report, step=0, extra=None, strategy=None):
@@ -60,16 +48,35 @@ def write_report(log_dir, report, step=0, extra=None, strategy=None):
     findings per severity as scalars under `audits/<name>/<severity>`, and
     `audit_<name>.json` (the report's `to_dict()`, plus `extra` if given).
     """
-    name = report.name.replace(" ", "_")
     if not is_chief(strategy):
         return
-    write_text(log_dir, f"audits/{name}", report.to_markdown(), step)
-    write_scalars(
+    name = report.name.replace(" ", "_")
+    _write_summaries(
         log_dir,
-        {f"audits/{name}/{sev}": n for sev, n in report.counts().items()},
         step,
+        texts={f"audits/{name}": report.to_markdown()},
+        scalars={f"audits/{name}/{sev}": n for sev, n in report.counts().items()},
     )
-    write_json(log_dir, f"audit_{name}.json", {**report.to_dict(), **(extra or {})})
+    _write_json(log_dir, f"audit_{name}.json", {**report.to_dict(), **(extra or {})})
+
+
+def _write_summaries(log_dir, step, texts=None, scalars=None):
+    with _writer(log_dir) as writer, writer.as_default():
+        for tag, markdown in (texts or {}).items():
+            tf.summary.text(tag, markdown, step=step)
+        for tag, value in (scalars or {}).items():
+            tf.summary.scalar(tag, value, step=step)
+
+
+def _write_json(log_dir, filename, data):
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, filename)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
 
 
 class _writer:
