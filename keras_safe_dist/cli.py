@@ -15,26 +15,25 @@ from keras_safe_dist import launch as launch_module
 __all__ = ["build_parser", "main"]
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, received {text!r}")
-    return value
+def _integer_at_least(minimum, why=""):
+    """An argparse type accepting integers >= `minimum`."""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {minimum}{why}, received {text!r}"
+            )
+        return value
+
+    return parse
 
 
-def _replica_count(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 2:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer >= 2 (the defects need several replicas), received {text!r}"
-        )
-    return value
+_positive_int = _integer_at_least(1)
+_replica_count = _integer_at_least(2, " (the defects need several replicas)")
 
 
 def build_parser():
