@@ -1,84 +1,103 @@
 """Where a non-finite value came from: the kind, the replicas, the layer, the variables.
 
-`NaNOnsetDetector` calls `locate` once per onset with a `SafeDistributedModel`
-(decoded step flags, captured shares, one replay per share it needs), and keeps
-`PlainSnapshots` for a plain `keras.Model` with `action="restore"`.
+`NaNOnsetDetector` calls `locate` once per onset with a `SafeDistributedModel`:
+the step's reduced flags say which replicas fired and whose inputs were
+non-finite; the weights are checked on the host; the rest (loss, a layer, or
+gradients) comes from replaying the batch the firing replica captured. It
+keeps `PlainSnapshots` for a plain `keras.Model` with `action="restore"`.
 """
 
 import tensorflow as tf
 
-from keras_safe_dist import _nan_probe
 from keras_safe_dist import _nan_replay
 from keras_safe_dist import distributed
 
 __all__ = ["PlainSnapshots", "locate"]
 
 
-def locate(model, probe, report, step, norm_bad, weights):
+def locate(model, probe, report, step, logged, weights, restore=None):
     """Fills `kind`, `replicas`, `replica`, `layer`, `variables` and `notes`.
 
     Args:
         model: the `SafeDistributedModel`.
         probe: its `NaNProbe`.
         report: the report being built.
-        step: the decoded flags of the onset step, or None (epoch-end check).
-        norm_bad: whether the reduced gradient norm is non-finite.
-        weights: paths of non-finite weights found on the host, or None.
+        step: the decoded flags of the onset step, or None for the check after
+            the epoch's last step (the update of a partial accumulation group).
+        logged: `{"loss": bool, "grad_norm": bool}`, whether the step's reduced
+            loss and gradient norm are non-finite.
+        weights: paths of the weights that are non-finite now.
+        restore: with `action="restore"`, a callable that puts back the
+            weights from before the step, or None.
 
     Returns:
         `{global replica id: (x, y, sample_weight)}`: the shares to save.
     """
-    if weights:
-        kind = "weights"
-    elif step is None:
-        kind = "loss"
-    else:
-        kind = next((k for k in _nan_probe.LOCAL_KINDS if step.kinds[k]), None)
-        kind = kind or ("weights" if step.weights else "gradients" if norm_bad else "loss")
-        report["replicas"] = list(step.replicas)
-    report["replica"] = report["replicas"][0] if report["replicas"] else None
     strategy = model.distribute_strategy
-    offset = _replica_offset(strategy, len(strategy.experimental_local_results(probe.captured)))
-    shares = {
-        index + offset: share
-        for index, share in probe.captured_shares().items()
-        # Replicas that did not fire at the onset captured a later batch (or,
-        # for weights, every replica captured this one).
-        if index + offset in report["replicas"] or not report["replicas"]
-    }
-    if shares and isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    shares = {}
+    if step is not None:
+        local = probe.captured_shares()
+        offset = _replica_offset(strategy, len(local))
+        shares = {index + offset: share for index, share in local.items()}
+    if step is None or (weights and not step.inputs and not any(logged.values())):
+        # The update overflowed from a finite loss and finite gradients.
+        kind, replicas, layer = "weights", [], None
+        report["variables"] = list(weights)
+    elif step.inputs:
+        kind, replicas, layer = "inputs", list(step.input_replicas), None
+    else:
+        kind, replicas, layer = _replayed(model, report, step, logged, weights, shares, restore)
+    report.update(kind=kind, replicas=replicas, layer=layer)
+    report["replica"] = replicas[0] if replicas else None
+    if replicas:
+        shares = {r: share for r, share in shares.items() if r in replicas}
+    if step is not None and not shares:
+        report["notes"].append(
+            "The batch could not be captured (non-numeric inputs)."
+            if probe.capture is None
+            else "The shares that fired were not captured on this worker."
+        )
+    return shares
+
+
+def _replayed(model, report, step, logged, weights, shares, restore):
+    """`(kind, replicas, layer)` for a loss, a layer or gradients, by replaying the batch."""
+    fallback = "loss" if logged["loss"] else "gradients"
+    replicas = list(step.replicas)
+    if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
         report["notes"].append(
             "The batch is not replayed under MultiWorkerMirroredStrategy; replay the "
             "saved batch on one device to find the layer."
         )
-    elif shares:
-        unnamed = kind == "gradients" and not report["replicas"]
-        # Without accumulation the step checks only the reduced gradient:
-        # every replica captured its share; replay each to name the replicas.
-        targets = sorted(shares) if unnamed else [min(shares)]
-        replays = {r: _nan_replay.replay(model, *shares[r]) for r in targets}
-        if unnamed:
-            named = [r for r, found in replays.items()
-                     if found.gradient_variables or found.loss_finite is False]
-            report["replicas"] = named
-            report["replica"] = named[0] if named else None
-            shares = {r: shares[r] for r in named} or shares
-        found = replays[min(shares)]
-        report["layer"] = found.layer
-        if found.error:
-            report["notes"].append(f"Replaying the batch failed ({found.error}).")
-        if kind in ("loss", "gradients") and found.layer:
-            kind = "activations"
-        if kind == "gradients":
-            report["variables"] = list(found.gradient_variables)
-    elif probe.capture is None:
-        report["notes"].append("The batch could not be captured (non-numeric inputs).")
-    else:
-        report["notes"].append("The batch was not captured on this worker.")
-    if kind == "weights":
-        report["variables"] = weights or _nan_replay.nonfinite_paths(model.trainable_weights)
-    report["kind"] = kind
-    return shares
+        return fallback, replicas, None
+    if weights:
+        # skip_nonfinite=False: the step applied its non-finite update.
+        if restore is None:
+            report["notes"].append(
+                "The step applied its non-finite update (skip_nonfinite=False), so the "
+                "batch was not replayed; use action='restore' to replay it."
+            )
+            return fallback, replicas, None
+        restore()
+    # Without accumulation the step checks gradients only once reduced: replay
+    # every share to name the replicas.
+    targets = [r for r in sorted(shares) if r in replicas][:1] or sorted(shares)
+    found = {r: _nan_replay.replay(model, *shares[r]) for r in targets}
+    errors = {f.error for f in found.values() if f.error}
+    report["notes"].extend(f"Replaying the batch failed ({error})." for error in sorted(errors))
+    named = [r for r, f in found.items() if f.loss_finite is False or f.gradient_variables]
+    if not named:
+        if not errors:
+            report["notes"].append(
+                "Replaying the batch found every value finite; the step may not be "
+                "deterministic."
+            )
+        return fallback, replicas, None
+    first = found[named[0]]
+    if first.loss_finite is False:
+        return ("activations" if first.layer else "loss"), replicas or named, first.layer
+    report["variables"] = list(first.gradient_variables)
+    return "gradients", replicas or named, None
 
 
 class PlainSnapshots:

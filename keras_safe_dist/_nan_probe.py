@@ -1,27 +1,31 @@
 """In-graph non-finite checks for `SafeDistributedModel`'s train step.
 
 `NaNOnsetDetector` asks for them; the model builds a `NaNProbe` with its train
-function. Each step, every replica checks its own share of the inputs and its
-micro-batch loss (and, with gradient accumulation, its local gradients, to
-name the micro-batch), and every replica checks the weights after the update
-(the same on all replicas); the update's reduced gradient norm is already
-checked by the engine. The flags leave the step as scalar log entries, which
-Keras MEAN-reduces across replicas; per-replica entries are scaled by the
-number of replicas first, so the reduced value is an exact sum:
+function. Each step, every replica reduces what it can see to one health
+vector: one `reduce_sum` per floating input (`x`, `y`, `sample_weight` of its
+share), its micro-batch loss, one `l2_loss` per weight after the update and,
+with gradient accumulation, one per local gradient (to name the micro-batch).
+A non-finite entry in the vector (a NaN or an infinity in the tensor, or a sum
+that overflows float32) fires the replica. The update's reduced gradient norm
+is checked on the host from the step's `grad_norm` log.
 
-- `nonfinite_replicas`: sum over replicas r of `2**r` if replica r saw a
-  non-finite input, loss or gradient (a bitmask; with more than 24 replicas,
-  the number of such replicas).
-- `nonfinite_kinds`: sum over replicas of `inputs + 256 * loss + 65536 *
-  gradients` (how many replicas saw each kind).
-- `nonfinite_weights`: 1 when a weight is non-finite after the update.
+The flags leave the step as one float64 log entry, which Keras MEAN-reduces
+across replicas; each replica scales its entry by the number of replicas
+first, so the reduced value is an exact sum:
+
+- `nonfinite_replicas`: `fired + 2**24 * inputs`, where `fired` is the
+  bitmask of the replicas that fired (sum over replicas r of `2**r`) and
+  `inputs` the bitmask of those whose share of the inputs is non-finite; with
+  more than 24 replicas, both are counts of replicas instead.
 - `applied_updates` (for `action="continue"` only): updates applied so far
   this epoch.
 
-No extra collective and no host round trip: the values travel with the logs
-Keras already returns. On the first step a replica fires, a `tf.cond` with no
-synchronization inside copies that replica's share of the batch into
-replica-local variables, so the detector can replay it. For `action="restore"`
+No extra collective, no host round trip and no control flow: the values
+travel with the logs Keras already returns. Every replica also copies its
+share of the batch into replica-local variables each step (an assignment,
+which shares the batch's buffer), so after the step that fired the detector
+holds that batch and can replay it. What fired is worked out on the host
+then, from the batch, the weights and the replay. For `action="restore"`
 every step also copies the weights and the optimizer state into replica-local
 variables before the forward pass (one copy of the model and its slots).
 """
@@ -33,13 +37,19 @@ import tensorflow as tf
 
 from keras_safe_dist import _update
 
-__all__ = ["LOG_NAMES", "NaNProbe", "ProbeRequest", "decode", "request_from"]
+__all__ = [
+    "LOG_NAMES",
+    "NaNProbe",
+    "ProbeRequest",
+    "decode",
+    "input_nonfinite",
+    "request_from",
+    "tensor_nonfinite",
+]
 
-LOG_NAMES = ("nonfinite_replicas", "nonfinite_kinds", "nonfinite_weights", "applied_updates")
-LOCAL_KINDS = ("inputs", "loss", "gradients")
-_KIND_BASE = 256
-MAX_REPLICAS = _KIND_BASE - 1
-MAX_REPLICAS_FOR_MASK = 24  # 2**24: the largest float32 integer range
+LOG_NAMES = ("nonfinite_replicas", "applied_updates")
+MAX_REPLICAS_FOR_MASK = 24
+_FIELD = 2**MAX_REPLICAS_FOR_MASK  # two 24-bit fields fit float64's 53-bit integers
 _ON_READ = tf.VariableSynchronization.ON_READ
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
@@ -70,33 +80,55 @@ def request_from(callbacks):
 class Step(NamedTuple):
     """One step's decoded flags."""
 
-    replicas: tuple  # replica ids, or () when unknown or none
-    kinds: dict  # local kind -> number of replicas
-    weights: bool
+    fired: int  # number of replicas that fired
+    replicas: tuple  # their ids, or () with more than 24 replicas
+    inputs: int  # number of replicas whose share of the inputs is non-finite
+    input_replicas: tuple  # their ids, or () with more than 24 replicas
     applied_updates: object  # int, or None when not requested
-
-    @property
-    def local(self):
-        return any(self.kinds.values())
 
 
 def decode(logs, num_replicas):
     """Decodes the probe's log entries (already reduced) into a `Step`."""
-    mask = int(round(logs["nonfinite_replicas"]))
-    code = int(round(logs["nonfinite_kinds"]))
-    kinds = {}
-    for kind in LOCAL_KINDS:
-        code, kinds[kind] = divmod(code, _KIND_BASE)
-    replicas = ()
+    inputs, fired = divmod(int(round(logs["nonfinite_replicas"])), _FIELD)
+    replicas = input_replicas = ()
     if num_replicas <= MAX_REPLICAS_FOR_MASK:
-        replicas = tuple(r for r in range(num_replicas) if mask >> r & 1)
+        replicas = tuple(r for r in range(num_replicas) if fired >> r & 1)
+        input_replicas = tuple(r for r in range(num_replicas) if inputs >> r & 1)
+        fired, inputs = len(replicas), len(input_replicas)
     applied = logs.get("applied_updates")
     return Step(
-        replicas,
-        kinds,
-        logs["nonfinite_weights"] > 0.5,
-        None if applied is None else int(round(applied)),
+        fired, replicas, inputs, input_replicas, None if applied is None else int(round(applied))
     )
+
+
+# The checks, the same in-graph and on the host.
+
+
+def input_nonfinite(tensor):
+    """Whether an input tensor holds a non-finite value (or its sum overflows)."""
+    tensor = tf.convert_to_tensor(tensor)
+    if not tensor.dtype.is_floating:
+        return tf.constant(False)
+    return tf.logical_not(tf.math.is_finite(_input_term(tensor)))
+
+
+def tensor_nonfinite(tensor):
+    """Whether a gradient or weight holds a non-finite value (or its squared norm overflows).
+
+    The same test as the update's reduced gradient norm.
+    """
+    tensor = tf.convert_to_tensor(tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor)
+    if not tensor.dtype.is_floating:
+        return tf.constant(False)
+    return tf.logical_not(tf.math.is_finite(_tensor_term(tensor)))
+
+
+def _input_term(tensor):
+    return tf.cast(tf.reduce_sum(tensor), tf.float32)
+
+
+def _tensor_term(tensor):
+    return tf.nn.l2_loss(tensor if tensor.dtype == tf.float32 else tf.cast(tensor, tf.float32))
 
 
 class NaNProbe:
@@ -114,23 +146,16 @@ class NaNProbe:
         self.request = request
         self.strategy = model.distribute_strategy
         self.replicas = self.strategy.num_replicas_in_sync
-        if self.replicas > MAX_REPLICAS:
-            raise ValueError(
-                f"NaNOnsetDetector supports at most {MAX_REPLICAS} replicas in "
-                f"sync. Received: {self.replicas} replicas. Train without the "
-                "detector, or on fewer replicas."
-            )
         optimizer = model.optimizer
         self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         # Without accumulation every step is an update, whose reduced gradient
         # norm is already checked: a local gradient check would only name the
         # replica, which the replay does. With accumulation it names the
-        # micro-batch.
+        # micro-batch. Under loss scaling non-finite gradients are routine.
         self.check_local_gradients = model.gradient_accumulation_steps > 1 and not self.loss_scaled
         self.log_names = LOG_NAMES if request.count_updates else LOG_NAMES[:-1]
         self.names, self.structure = _capture_layout(specs)
         with self.strategy.scope():
-            self.captured = _local(tf.zeros((), tf.int32))
             self.capture = None
             if self.names is not None:
                 self.capture = [
@@ -150,82 +175,51 @@ class NaNProbe:
     def begin_step(self):
         """Copies weights and optimizer state (restore only), before the forward pass."""
         for snapshot, variable in zip(self.snapshots, self.sources):
-            snapshot.assign(variable)
+            snapshot.assign(variable, read_value=False)
 
-    def logs(self, data, loss_numerator, grad_norm, grads):
-        """After the update: the flags as log entries; captures on the first fire.
-
-        Inputs and loss are checked element by element. Gradients and weights
-        go through one `l2_loss` per tensor: like the update's own gradient
-        norm, a tensor whose squared norm overflows float32 counts as
-        non-finite. This keeps the check to about one op per tensor.
-        """
+    def logs(self, data, loss_numerator, grads):
+        """After the update: the flag as log entries; captures this replica's share."""
         flat = keras.tree.flatten(data)
-        inputs = _nonfinite([t for t in flat if t is not None])
-        loss = tf.logical_not(tf.math.is_finite(loss_numerator))
-        gradients = reduced = tf.constant(False)
-        # Under loss scaling, non-finite gradients are routine: the update is
-        # skipped and the scale halves.
-        if not self.loss_scaled:
-            reduced = tf.logical_not(tf.math.is_finite(grad_norm))
+        inputs = _any_nonfinite(
+            [_input_term(t) for t in flat if t is not None and t.dtype.is_floating]
+        )
+        terms = [tf.cast(loss_numerator, tf.float32)]
         if self.check_local_gradients:
-            gradients = _overflows([g.values if isinstance(g, tf.IndexedSlices) else g
-                                    for g in grads if g is not None])
-        weights = _overflows(self.model.trainable_weights)
-        local = tf.stack([inputs, loss, gradients])
-        fired = tf.reduce_any(local)
-        self._maybe_capture(flat, fired | weights | reduced)
-        scale = float(self.replicas)
+            terms += _tensor_terms(grads)
+        terms += _tensor_terms(self.model.trainable_weights)
+        fired = tf.logical_or(inputs, _any_nonfinite(terms))
+        if self.capture is not None:
+            for variable, value in zip(self.capture, flat):
+                if variable is not None:
+                    variable.assign(value, read_value=False)
         bit = 1.0
         if self.replicas <= MAX_REPLICAS_FOR_MASK:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
             bit = 2.0 ** int(tf.get_static_value(replica))
-        logs = {
-            "nonfinite_replicas": tf.cast(fired, tf.float32) * (bit * scale),
-            "nonfinite_kinds": tf.reduce_sum(
-                tf.cast(local, tf.float32) * [scale, _KIND_BASE * scale, _KIND_BASE**2 * scale]
-            ),
-            "nonfinite_weights": tf.cast(weights, tf.float32),
-        }
+        flags = tf.cast(fired, tf.float64) + _FIELD * tf.cast(inputs, tf.float64)
+        logs = {"nonfinite_replicas": flags * (bit * self.replicas)}
         if "applied_updates" in self.log_names:
             stats = self.model._update_engine.stats
             logs["applied_updates"] = stats[_update._STATS.index("updates_in_epoch")]
         return logs
 
-    def _maybe_capture(self, flat, fired):
-        if self.capture is None:
-            return
-
-        def capture():
-            for variable, value in zip(self.capture, flat):
-                if variable is not None:
-                    variable.assign(value)
-            self.captured.assign(1)
-
-        tf.cond(fired & tf.equal(self.captured, 0), capture, lambda: None)
-
     # Host side.
 
-    def reset(self):
-        """Forgets a captured batch; called when a fit begins."""
-        for local in self.strategy.experimental_local_results(self.captured):
-            local.assign(0)
-
     def captured_shares(self):
-        """{local replica index: (x, y, sample_weight) as NumPy} for captured shares."""
+        """{local replica index: (x, y, sample_weight) as NumPy} of the last step."""
         if self.capture is None:
             return {}
-        flags = [int(v.numpy()) for v in self.strategy.experimental_local_results(self.captured)]
-        shares = {}
-        for index, flag in enumerate(flags):
-            if flag:
-                arrays = [
-                    None if v is None else
-                    self.strategy.experimental_local_results(v)[index].numpy()
-                    for v in self.capture
-                ]
-                shares[index] = keras.tree.pack_sequence_as(self.structure, arrays)
-        return shares
+        locals_ = [
+            None if v is None else self.strategy.experimental_local_results(v)
+            for v in self.capture
+        ]
+        count = len(next(v for v in locals_ if v is not None))
+        return {
+            index: keras.tree.pack_sequence_as(
+                self.structure, [None if v is None else v[index].numpy() for v in locals_]
+            )
+            for index in range(count)
+        }
 
     def named(self, share):
         """`(names, arrays)` of a captured share, in the order of `self.names`."""
@@ -255,29 +249,23 @@ def _capture_layout(specs):
     return names, structure
 
 
+def _tensor_terms(tensors):
+    values = (
+        tf.convert_to_tensor(t.values if isinstance(t, tf.IndexedSlices) else t)
+        for t in tensors
+        if t is not None
+    )
+    return [_tensor_term(t) for t in values if t.dtype.is_floating]
+
+
+def _any_nonfinite(terms):
+    # A vector, not a sum: large finite terms must not add up to infinity.
+    if not terms:
+        return tf.constant(False)
+    return tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(terms))))
+
+
 def _local(initial, shape=None):
     return tf.Variable(
         initial, trainable=False, shape=shape, synchronization=_ON_READ, aggregation=_FIRST
     )
-
-
-def _overflows(tensors):
-    squares = [
-        tf.nn.l2_loss(t if t.dtype == tf.float32 else tf.cast(t, tf.float32))
-        for t in (tf.convert_to_tensor(t) for t in tensors)
-        if t.dtype.is_floating
-    ]
-    if not squares:
-        return tf.constant(False)
-    return tf.logical_not(tf.math.is_finite(tf.add_n(squares)))
-
-
-def _nonfinite(tensors):
-    checks = [
-        tf.reduce_all(tf.math.is_finite(t))
-        for t in (tf.convert_to_tensor(t) for t in tensors)
-        if t.dtype.is_floating
-    ]
-    if not checks:
-        return tf.constant(False)
-    return tf.logical_not(tf.reduce_all(tf.stack(checks)))

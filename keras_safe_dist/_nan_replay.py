@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
+from keras_safe_dist import _nan_probe
 
 __all__ = ["Replay", "nonfinite_paths", "replay"]
 
@@ -82,14 +83,18 @@ def replay(model, x, y, sample_weight):
     bad_grads = tuple(
         v.path
         for v, g in zip(model.trainable_weights, grads)
-        if g is not None and not _finite(g.values if isinstance(g, tf.IndexedSlices) else g)
+        if g is not None and bool(_nan_probe.tensor_nonfinite(g))
     )
     return Replay(layer, first, bool(_finite(loss)), bad_grads, None)
 
 
 def nonfinite_paths(variables):
-    """Paths of the variables holding a non-finite value, in order."""
-    return [v.path for v in variables if not _finite(v)]
+    """Paths of the variables holding a non-finite value, in order.
+
+    The train step's test: a variable whose squared norm overflows float32
+    counts as non-finite.
+    """
+    return [v.path for v in variables if bool(_nan_probe.tensor_nonfinite(v))]
 
 
 @contextlib.contextmanager

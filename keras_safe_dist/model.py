@@ -263,9 +263,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs.update(self._update_engine.logs())
         if probe is not None:
-            logs.update(
-                probe.logs((x, y, sample_weight), micro.numerator, logs["grad_norm"], grads)
-            )
+            logs.update(probe.logs((x, y, sample_weight), micro.numerator, grads))
         if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
             # Keras reduces step outputs across workers with
             # `strategy.reduce("MEAN", value, axis=0)`, which needs rank >= 1;

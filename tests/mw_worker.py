@@ -76,8 +76,11 @@ def main():
     parser.add_argument("--inputs", default="numpy,dataset")
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--log-dir", default=None, help="one log directory shared by all workers")
+    parser.add_argument("--nan-row", type=int, default=None, help="a row of x made NaN")
     args = parser.parse_args()
     x, y = data()
+    if args.nan_row is not None:
+        x[args.nan_row, 0] = np.nan
     results = {"chief": is_chief(STRATEGY)}
     for inputs in args.inputs.split(","):
         model = build(args.steps, args.clipnorm)
@@ -93,6 +96,10 @@ def main():
                 safe_callbacks.TrainingModeAudit(log_dir=log_dir),
             ]
             callbacks += audits + [safe_callbacks.Dashboard(log_dir)]
+        detector = None
+        if args.nan_row is not None:
+            detector = safe_callbacks.NaNOnsetDetector(log_dir=args.log_dir)
+            callbacks.append(detector)
         if inputs == "numpy":
             history = model.fit(x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
         else:
@@ -104,6 +111,10 @@ def main():
             "iterations": int(model.optimizer.iterations.numpy()),
             "audits": [audit.report.summary() for audit in audits],
             "pid": os.getpid(),
+            "nan_onset": None if detector is None or detector.report is None else {
+                name: detector.report[name]
+                for name in ("epoch", "batch", "kind", "replicas", "layer", "notes", "files")
+            },
         }
     print("RESULT " + json.dumps(results), flush=True)
     return 0

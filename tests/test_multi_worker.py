@@ -92,6 +92,26 @@ def test_two_workers_match_single_process_runs(tmp_path):
         assert writers == {str(results[0][inputs]["pid"])}
 
 
+def test_nan_in_one_workers_share_stops_both_workers_with_the_same_report(tmp_path):
+    # Row 23 is in global batch 2 (rows 20-29), in the chief's share (rows 20-24).
+    args = ["--steps", "1", "--epochs", "2", "--inputs", "numpy", "--nan-row", "23", "--log-dir", str(tmp_path)]
+    codes, results, lines = run_workers(args)
+    assert codes == [0, 0], [line for _, line in lines][-20:]
+    chief, other = (results[i]["numpy"]["nan_onset"] for i in (0, 1))
+    fields = [{k: r[k] for k in ("epoch", "batch", "kind", "replicas", "layer")} for r in (chief, other)]
+    # The other worker's share was finite; it knows from the reduced flags.
+    assert fields[0] == fields[1] == {"epoch": 0, "batch": 2, "kind": "inputs", "replicas": [0], "layer": None}
+    assert other["notes"] == ["The shares that fired were not captured on this worker."]
+    # Both stopped after the onset batch, whose update was skipped.
+    assert results[0]["numpy"]["iterations"] == results[1]["numpy"]["iterations"] == 2
+    assert results[0]["numpy"]["history"]["skipped_updates"] == [1.0]
+    # Only the chief writes: the report and its own replica's share.
+    assert other["files"] == {} and sorted(chief["files"]) == ["batch", "report"]
+    batch = np.load(tmp_path / "nan_onset_batch.npz")
+    assert np.isnan(batch["x"]).sum() == 1 and batch["replica"].tolist() == [0] * 5
+    assert json.loads((tmp_path / "nan_onset.json").read_text())["kind"] == "inputs"
+
+
 def test_killed_worker_resumes_from_backup_and_matches_uninterrupted_run(tmp_path):
     backup = tmp_path / "backup"
     args = ["--steps", "2", "--epochs", "3", "--inputs", "numpy", "--backup", str(backup)]

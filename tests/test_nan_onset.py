@@ -9,6 +9,7 @@ import tensorflow as tf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist import _nan_probe
 from keras_safe_dist.callbacks import NaNOnsetDetector
 
 from conftest import regression_data
@@ -90,7 +91,7 @@ def test_nan_in_one_input_sample_names_its_batch_replica_and_writes_files(replic
     assert [(h["epoch"], h["batch"]) for h in report["history"]] == [(0, 2), (0, 3), (0, 4)]
     assert np.isnan(report["history"][-1]["loss"]) and np.isfinite(report["history"][0]["grad_norm"])
     # "stop": training ended after batch 4, whose update was skipped.
-    assert history["skipped_updates"] == [1.0] and "nonfinite_kinds" not in history
+    assert history["skipped_updates"] == [1.0] and "nonfinite_replicas" not in history
     assert_weights_close(reference_weights(x, y, 4), model.get_weights())
     saved = json.loads((tmp_path / "nan_onset.json").read_text())
     assert saved["kind"] == "inputs" and saved["batch"] == 4 and saved["finding"]["code"] == "NAN001"
@@ -119,6 +120,21 @@ def test_layer_that_makes_nan_on_one_batch_is_named(replicas, capsys):
     assert report["finding"]["subject"] == "fragile"
     printed = capsys.readouterr().out
     assert "First layer with a non-finite output from finite inputs: fragile." in printed
+
+
+@pytest.mark.parametrize("action,kind,layer", [("stop", "loss", None), ("restore", "activations", "fragile")])
+def test_applied_nonfinite_update_is_replayed_only_from_the_restored_weights(action, kind, layer):
+    x, y = data()
+    x[19, 1] = -3.0  # batch 2: log(1 - 3) is NaN, and skip_nonfinite=False applies it
+    model = build(1, first=Fragile(name="fragile"), skip_nonfinite=False)
+    detector = NaNOnsetDetector(action=action)
+    fit(model, x, y, detector)
+    report = detector.report
+    assert (report["batch"], report["kind"], report["layer"]) == (2, kind, layer)
+    skipped_replay = any("the batch was not replayed" in note for note in report["notes"])
+    assert skipped_replay is (action == "stop")
+    if action == "restore":
+        assert_weights_close(reference_weights(x, y, 2, first=Fragile()), model.get_weights())
 
 
 def test_subclassed_model_names_the_nested_layer():
@@ -264,6 +280,26 @@ def test_plain_keras_model_restore_finds_the_update_that_broke_the_weights(repli
     # The loss turns non-finite at batch 4; the weights were already broken by batch 3's update.
     assert (report["batch"], report["kind"], report["restored_to"]) == (3, "weights", "before the previous batch")
     assert_weights_close(reference_weights(x, y, 3), model.get_weights())
+
+
+def test_probe_flags_decode_both_bitmasks_and_fall_back_to_counts():
+    # Replicas 0 and 3 fired; replica 3's inputs were non-finite.
+    step = _nan_probe.decode({"nonfinite_replicas": float(0b1001 + 2**24 * 0b1000)}, 4)
+    assert (step.fired, step.replicas, step.inputs, step.input_replicas) == (2, (0, 3), 1, (3,))
+    # Beyond 24 replicas the fields are counts.
+    step = _nan_probe.decode({"nonfinite_replicas": float(5 + 2**24 * 2)}, 32)
+    assert (step.fired, step.replicas, step.inputs, step.input_replicas) == (5, (), 2, ())
+
+
+def test_checks_count_overflowing_sums_as_nonfinite():
+    assert not bool(_nan_probe.input_nonfinite(np.array([3e38, -3e38], np.float32)))
+    assert bool(_nan_probe.input_nonfinite(np.array([3e38, 3e38], np.float32)))
+    assert bool(_nan_probe.input_nonfinite(np.array([1.0, np.nan], np.float32)))
+    assert not bool(_nan_probe.input_nonfinite(np.array([2**31 - 1, 1], np.int32)))
+    # Gradients and weights: the squared norm, as for the update's gradient norm.
+    assert not bool(_nan_probe.tensor_nonfinite(np.full((4,), 1e18, np.float32)))
+    assert bool(_nan_probe.tensor_nonfinite(np.full((4,), 1e20, np.float32)))
+    assert bool(_nan_probe.tensor_nonfinite(np.array([0.0, -np.inf], np.float16)))
 
 
 @pytest.mark.parametrize(

@@ -152,8 +152,6 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._skipped_seen = 0
         self._applied_seen = 0
         self._plain_snapshots = None
-        if self._probe is not None:
-            self._probe.reset()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -177,17 +175,19 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._recent.append({"epoch": self._epoch, "batch": batch, "loss": loss, "grad_norm": norm})
         self._previous, self._last_batch = self._last_batch, (self._epoch, batch)
         self._step += 1
-        step = _nan_probe.decode(flags, self._replicas) if flags else None
         if self.report is None:
-            norm_bad = norm is not None and not math.isfinite(norm) and not self._loss_scaled()
-            loss_bad = loss is not None and not math.isfinite(loss)
-            if step is not None and (step.local or step.weights or norm_bad or loss_bad):
-                self._onset(batch, step, norm_bad)
-            elif loss_bad:
-                self._onset(batch, None, False)
-        if self.action == "continue" and step is not None:
-            self._count_skips(logs.get("skipped_updates"), step.applied_updates > self._applied_seen)
-            self._applied_seen = step.applied_updates
+            logged = {
+                "loss": loss is not None and not math.isfinite(loss),
+                "grad_norm": norm is not None and not math.isfinite(norm) and not self._loss_scaled(),
+            }
+            fired = flags.get("nonfinite_replicas", 0.0) != 0.0
+            if fired or any(logged.values()):
+                step = _nan_probe.decode(flags, self._replicas) if flags else None
+                self._onset(batch, step, logged)
+        if self.action == "continue" and "applied_updates" in flags:
+            applied = int(round(flags["applied_updates"]))
+            self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
+            self._applied_seen = applied
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
@@ -199,13 +199,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             applied = self._updates_in_epoch()
             self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
         if self.report is None and self._last_batch is not None:
-            bad = _nan_replay.nonfinite_paths(self.model.trainable_weights)
-            if bad:
-                self._onset(self._last_batch[1], None, False, weights=bad)
+            if _nan_replay.nonfinite_paths(self.model.trainable_weights):
+                self._onset(self._last_batch[1], None, {"loss": False, "grad_norm": False})
 
     # Onset.
 
-    def _onset(self, batch, step, norm_bad, weights=None):
+    def _onset(self, batch, step, logged):
         model = self.model
         report = {
             "epoch": self._epoch,
@@ -223,11 +222,13 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             "notes": [],
             "files": {},
         }
+        weights = _nan_replay.nonfinite_paths(model.trainable_weights)
         shares = {}
         if self._full:
-            shares = _nan_locate.locate(model, self._probe, report, step, norm_bad, weights)
+            restore = self._probe.restore if self.action == "restore" else None
+            shares = _nan_locate.locate(model, self._probe, report, step, logged, weights, restore)
         else:
-            self._onset_plain(report, weights)
+            self._onset_plain(report, None if any(logged.values()) else weights)
         if self.action == "restore":
             self._restore(report)
         if self.action != "continue":
