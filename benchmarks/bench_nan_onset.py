@@ -3,12 +3,16 @@
 
 Two models: a small MLP (32-256-256-10, about 2 ms per step on 2 CPU cores), where
 the detector's fixed per-step cost weighs most, and a medium MLP
-(256-1024-1024-10). In this process, fit() calls without the detector, with
-`NaNOnsetDetector()`
-("stop") and with `NaNOnsetDetector(action="restore")` alternate (rotating
-which goes first), after a warm-up call of each, on one device and on two
-replicas (two logical CPUs under one `MirroredStrategy`). The table gives
-median seconds per epoch and ratios to "none".
+(256-1024-1024-10). In this process, fit() calls without the detector (twice, with
+two traces of the same step, "none" and "none, second trace", whose ratio
+shows the noise floor), with `NaNOnsetDetector()` ("stop") and with
+`NaNOnsetDetector(action="restore")` alternate (rotating which goes first),
+after a warm-up call of each, all on the same model, on one device and on two replicas (two logical
+CPUs under one `MirroredStrategy`). The "fit" rows give median seconds per
+epoch and ratios to "none". The "steps" rows then time, the same way, only
+what fit() runs for each batch (the train function, the logs turned into
+Python numbers, the detector's batch-end hook) over one epoch's worth of
+steps, many more times: the per-batch cost without fit()'s per-epoch work.
 
 `tf.debugging.enable_check_numerics` is global and cannot be turned off, so it
 runs in a subprocess: that process times "none" first (its own baseline),
@@ -16,6 +20,7 @@ then enables the checks and times the same model again, on one device.
 
 Usage:
     PYTHONPATH=. python benchmarks/bench_nan_onset.py [--repeats N] [--quick] [--json]
+        [--models "small MLP,medium MLP"]
 """
 
 import argparse
@@ -42,8 +47,11 @@ from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
 MODELS = {"small MLP": (32, 256, 8192), "medium MLP": (256, 1024, 4096)}
 BATCH = 256
 EPOCHS_PER_TIMING = 3
+STEP_REPEATS = 30  # timings of one epoch's worth of train steps, per configuration
 CONFIGS = {
     "none": lambda: [],
+    # The same configuration traced a second time: the noise floor of the ratios.
+    "none, second trace": lambda: [],
     "detector": lambda: [NaNOnsetDetector()],
     "detector (restore)": lambda: [NaNOnsetDetector(action="restore")],
 }
@@ -78,48 +86,94 @@ def _timed_epoch(model, dataset, callbacks):
     return (time.perf_counter() - start) / EPOCHS_PER_TIMING
 
 
-def bench_detector(repeats, scale):
+def bench_detector(repeats, scale, models):
     """Median epoch seconds per configuration, model and setting, interleaved."""
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     results = {}
-    for model_name, (features, width, samples) in MODELS.items():
+    for model_name in models:
+        features, width, samples = MODELS[model_name]
         samples = samples // scale
         dataset = _dataset(samples, features)
         for setting, strategy in (("1 device", tf.distribute.get_strategy()), ("2 replicas", mirrored)):
-            results[f"{model_name}, {setting}"] = _bench_setting(
+            fit_rows, step_rows = _bench_setting(
                 repeats, strategy, dataset, samples, features, width
             )
+            results[f"{model_name}, {setting}, fit"] = fit_rows
+            results[f"{model_name}, {setting}, steps"] = step_rows
     return results
 
 
+# Every configuration trains the same model: two model instances of the same
+# configuration differ by a few percent on this machine, more than the effect
+# measured. fit() builds a new train function when the detector's request
+# changes, so each configuration's train function, update engine and probe are
+# kept after its warm-up and put back before each of its timed calls.
+_STEP_STATE = ("train_function", "_update_engine", "_nan_probe")
+
+
 def _bench_setting(repeats, strategy, dataset, samples, features, width):
-    # One model per configuration: a model with and without the detector
-    # keeps different train functions.
-    models = {name: _model(strategy, features, width) for name in CONFIGS}
-    for name, model in models.items():
+    """`(fit rows, step rows)`: whole fit() calls, then the train steps alone."""
+    model = _model(strategy, features, width)
+    states = {}
+    for name in CONFIGS:
+        model.train_function = None  # a fresh trace for each configuration
         _timed_epoch(model, dataset, CONFIGS[name]())  # warm-up: tracing
-    times = {name: [] for name in CONFIGS}
+        states[name] = {attribute: getattr(model, attribute) for attribute in _STEP_STATE}
+
+    def use(name):
+        for attribute, value in states[name].items():
+            setattr(model, attribute, value)
+
+    fit_times = {name: [] for name in CONFIGS}
+    for name in _rotations(repeats):
+        use(name)
+        fit_times[name].append(_timed_epoch(model, dataset, CONFIGS[name]()))
+    steps = -(-samples // BATCH)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset.repeat()))
+    step_times = {name: [] for name in CONFIGS}
+    for name in _rotations(STEP_REPEATS):
+        use(name)
+        step_times[name].append(_timed_steps(model, iterator, CONFIGS[name](), steps))
+    return _summary(fit_times, steps, "epoch"), _summary(step_times, 1, "step")
+
+
+def _rotations(repeats):
+    """Configuration names, `repeats` rounds, rotating which goes first."""
     names = list(CONFIGS)
     for repeat in range(repeats):
         shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(_timed_epoch(models[name], dataset, CONFIGS[name]()))
-    return _summary(times, samples)
+        yield from names[shift:] + names[:shift]
 
 
-def _summary(times, samples):
+def _timed_steps(model, iterator, callbacks, steps):
+    """Seconds per step of what fit() runs for each batch: the train function,
+    the logs turned into Python numbers, and the callbacks' batch-end hook."""
+    for callback in callbacks:
+        callback.set_model(model)
+        callback.on_train_begin()
+    start = time.perf_counter()
+    for batch in range(steps):
+        logs = {name: float(value) for name, value in model.train_function(iterator).items()}
+        for callback in callbacks:
+            callback.on_train_batch_end(batch, logs)
+    return (time.perf_counter() - start) / steps
+
+
+def _summary(times, steps, unit):
+    """Rows of medians and ratios to "none"; `steps` per timed `unit`."""
     base = statistics.median(times["none"])
     rows = {}
     for name, values in times.items():
         median = statistics.median(values)
         paired = [v / b for v, b in zip(values, times["none"])]
         rows[name] = {
+            "unit": unit,
             "median_s": median,
             "ratio_of_medians": median / base,
             # The fastest run is the least disturbed by other load on the machine.
             "ratio_of_minimums": min(values) / min(times["none"]),
             "median_paired_ratio": statistics.median(paired),
-            "extra_ms_per_step": (median - base) * 1e3 / -(-samples // BATCH),
+            "extra_ms_per_step": (median - base) * 1e3 / steps,
             "all_s": values,
         }
     return rows
@@ -151,23 +205,24 @@ def bench_check_numerics(repeats, samples):
             f"{done.stderr[-4000:]}"
         )
     times = json.loads(done.stdout.strip().splitlines()[-1])
-    return _summary(times, samples)
+    return _summary(times, -(-samples // BATCH), "epoch")
 
 
 def _print_report(report):
     setup = report["setup"]
     print(
-        f"Median seconds per epoch over {setup['repeats']} interleaved fit() calls of "
-        f"{EPOCHS_PER_TIMING} epochs; SafeDistributedModel, batch {BATCH}, Adam"
+        f"fit rows: median ms per epoch over {setup['repeats']} interleaved fit() calls of "
+        f"{EPOCHS_PER_TIMING} epochs. steps rows: median ms per step over {STEP_REPEATS} "
+        f"interleaved runs of one epoch's steps. SafeDistributedModel, batch {BATCH}, Adam."
     )
-    header = f"{'setting':<30}{'config':<22}{'ms/epoch':>10}{'ratio of medians':>18}"
+    header = f"{'setting':<40}{'config':<22}{'ms':>10}{'ratio of medians':>18}"
     print(header + f"{'median paired ratio':>21}{'ratio of minimums':>19}{'extra ms/step':>15}")
     sections = dict(report["detector"])
-    sections["small MLP, 1 device, own process"] = report["check_numerics"]
+    sections["small MLP, 1 device, own process, fit"] = report["check_numerics"]
     for setting, rows in sections.items():
         for name, row in rows.items():
             print(
-                f"{setting:<30}{name:<22}{row['median_s'] * 1e3:>10.1f}"
+                f"{setting:<40}{name:<22}{row['median_s'] * 1e3:>10.2f}"
                 f"{row['ratio_of_medians']:>18.3f}{row['median_paired_ratio']:>21.3f}"
                 f"{row['ratio_of_minimums']:>19.3f}{row['extra_ms_per_step']:>15.3f}"
             )
@@ -176,6 +231,9 @@ def _print_report(report):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=None, help="timed fit() calls per config")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated subset of: {', '.join(MODELS)}"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, about a minute")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
@@ -186,13 +244,19 @@ def main(argv=None):
     samples = args.samples or MODELS["small MLP"][2] // scale
     if repeats < 1:
         parser.error(f"--repeats must be >= 1. Received: --repeats={repeats}")
+    models = [name.strip() for name in args.models.split(",")]
+    unknown = [name for name in models if name not in MODELS]
+    if unknown:
+        parser.error(
+            f"--models must name models among: {', '.join(MODELS)}. Received: --models={args.models}"
+        )
     if args.check_numerics_worker:
         print(json.dumps(check_numerics_worker(repeats, samples)))
         return
     report = {
         "setup": {"repeats": repeats, "models": MODELS, "scale": scale, "batch": BATCH},
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
-        "detector": bench_detector(repeats, scale),
+        "detector": bench_detector(repeats, scale, models),
         "check_numerics": bench_check_numerics(repeats, samples),
     }
     if args.json:

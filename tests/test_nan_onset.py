@@ -211,6 +211,21 @@ def test_exploding_learning_rate_restores_last_finite_weights_and_optimizer_stat
     assert int(model.optimizer.iterations.numpy()) == 3
 
 
+def test_overflowing_epoch_end_flush_is_reported_and_restored(replicas):
+    x, y = data(56)  # 7 micro-batches of 8: three groups of 2, then one flushed at the epoch end
+    y = y * 100.0
+    model = build(replicas, optimizer=lambda: keras.optimizers.SGD(Exploding()), gradient_accumulation_steps=2)
+    detector = NaNOnsetDetector(action="restore")
+    fit(model, x, y, detector, epochs=2)
+    report = detector.report
+    # The fourth update (learning rate 1e38) is the flush after micro-batch 6.
+    assert (report["epoch"], report["batch"], report["kind"], report["replicas"]) == (0, 6, "weights", [])
+    assert report["variables"] and report["files"] == {}
+    assert report["restored_to"] == "before this batch"
+    assert_weights_close(reference_weights(x, y, 3, batch_size=2 * BATCH), model.get_weights())
+    assert int(model.optimizer.iterations.numpy()) == 3
+
+
 def test_accumulation_reports_the_micro_batch_and_skips_its_group(replicas):
     x, y = data()
     x[33, 0] = np.inf  # micro-batch 4 (first of the third group), the first replica's share

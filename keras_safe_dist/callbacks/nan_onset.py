@@ -25,13 +25,14 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     """Finds the first step at which training went non-finite, and why.
 
     With a `SafeDistributedModel`, the train step checks, on every replica, its
-    share of the inputs (`x`, `y`, `sample_weight`), its loss and its
-    gradients, and the weights after the update. The flags travel with the
-    step's logs as a few scalars (no extra collective, no extra host round
-    trip; Keras's TensorFlow trainer already turns the logs into Python numbers
-    before any batch hook). On the first step that fires, the replica copies
-    its share of the batch in-graph; the detector then replays that share once,
-    eagerly, checking every layer's output, and reports:
+    share of the inputs (`x`, `y`, `sample_weight`), its loss and the weights
+    after the update (with gradient accumulation, also its gradients), and
+    keeps its share of the batch in a replica-local variable. The result
+    travels with the step's logs as one scalar (no extra collective, no extra
+    host round trip, no control flow; Keras's TensorFlow trainer already turns
+    the logs into Python numbers before any batch hook). On the first step
+    that fires, the detector checks the weights and replays the firing
+    replica's share once, eagerly, checking every layer's output, and reports:
 
     - `epoch`, `batch`: 0-based, as Keras counts batches in an epoch (with
       gradient accumulation, the micro-batch where the value entered);
@@ -142,6 +143,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 f"steps_per_execution={model.steps_per_execution}. Use steps_per_execution=1."
             )
         self.report = None
+        self._loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         self._replicas = model.distribute_strategy.num_replicas_in_sync
         self._recent = collections.deque(maxlen=self.history)
         self._step = 0
@@ -178,10 +180,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if self.report is None:
             logged = {
                 "loss": loss is not None and not math.isfinite(loss),
-                "grad_norm": norm is not None and not math.isfinite(norm) and not self._loss_scaled(),
+                # Under loss scaling non-finite gradients are routine.
+                "grad_norm": norm is not None and not math.isfinite(norm) and not self._loss_scaled,
             }
-            fired = flags.get("nonfinite_replicas", 0.0) != 0.0
-            if fired or any(logged.values()):
+            if flags.get("nonfinite_replicas") or any(logged.values()):
                 step = _nan_probe.decode(flags, self._replicas) if flags else None
                 self._onset(batch, step, logged)
         if self.action == "continue" and "applied_updates" in flags:
@@ -198,7 +200,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             # after the last step (SafeDistributedModel's epoch-end flush).
             applied = self._updates_in_epoch()
             self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
-        if self.report is None and self._last_batch is not None:
+        # The step checks the weights after its own update; with accumulation the
+        # epoch-end flush may apply one more. A plain model is checked here.
+        flushed = self._full and self.model.gradient_accumulation_steps > 1
+        if self.report is None and self._last_batch is not None and (flushed or not self._full):
             if _nan_replay.nonfinite_paths(self.model.trainable_weights):
                 self._onset(self._last_batch[1], None, {"loss": False, "grad_norm": False})
 
@@ -291,9 +296,6 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                         self.report,
                         strategy=self.model.distribute_strategy,
                     )
-
-    def _loss_scaled(self):
-        return isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
 
     def _updates_in_epoch(self):
         stats = self.model._update_engine.stats.numpy()
