@@ -21,13 +21,14 @@ first, so the reduced value is an exact sum:
   this epoch.
 
 No extra collective, no host round trip and no control flow: the values
-travel with the logs Keras already returns. Every replica also copies its
-share of the batch into replica-local variables each step (an assignment,
-which shares the batch's buffer), so after the step that fired the detector
-holds that batch and can replay it. What fired is worked out on the host
-then, from the batch, the weights and the replay. For `action="restore"`
-every step also copies the weights and the optimizer state into replica-local
-variables before the forward pass (one copy of the model and its slots).
+travel with the logs Keras already returns. Every replica also assigns its
+share of the batch to replica-local variables each step (TensorFlow shares
+the batch's buffer; nothing is copied), so after the step that fired the
+detector holds that batch and can replay it. What fired is worked out on the
+host then, from the flags, the weights and the replay. For
+`action="restore"` every step also assigns the weights and the optimizer state
+to replica-local variables before the forward pass; the update then writes
+new buffers, so this costs one copy of the model and its slots per step.
 """
 
 from typing import NamedTuple
@@ -124,6 +125,8 @@ def tensor_nonfinite(tensor):
 
 
 def _input_term(tensor):
+    if tensor.dtype == tf.float16:
+        tensor = tf.cast(tensor, tf.float32)  # a float16 sum overflows past 65504
     return tf.cast(tf.reduce_sum(tensor), tf.float32)
 
 
