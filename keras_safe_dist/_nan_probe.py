@@ -43,7 +43,7 @@ __all__ = [
     "NaNProbe",
     "ProbeRequest",
     "decode",
-    "input_nonfinite",
+    "inputs_nonfinite",
     "request_from",
     "tensor_nonfinite",
 ]
@@ -105,12 +105,9 @@ def decode(logs, num_replicas):
 # The checks, the same in-graph and on the host.
 
 
-def input_nonfinite(tensor):
-    """Whether an input tensor holds a non-finite value (or its sum overflows)."""
-    tensor = tf.convert_to_tensor(tensor)
-    if not tensor.dtype.is_floating:
-        return tf.constant(False)
-    return tf.logical_not(tf.math.is_finite(_input_term(tensor)))
+def inputs_nonfinite(tensors):
+    """Whether a floating input holds a non-finite value (or its sum overflows float32)."""
+    return _any_nonfinite(_input_terms(tensors))
 
 
 def tensor_nonfinite(tensor):
@@ -118,10 +115,7 @@ def tensor_nonfinite(tensor):
 
     The same test as the update's reduced gradient norm.
     """
-    tensor = tf.convert_to_tensor(tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor)
-    if not tensor.dtype.is_floating:
-        return tf.constant(False)
-    return tf.logical_not(tf.math.is_finite(_tensor_term(tensor)))
+    return _any_nonfinite(_tensor_terms([tensor]))
 
 
 def _input_term(tensor):
@@ -183,9 +177,7 @@ class NaNProbe:
     def logs(self, data, loss_numerator, grads):
         """After the update: the flag as log entries; captures this replica's share."""
         flat = keras.tree.flatten(data)
-        inputs = _any_nonfinite(
-            [_input_term(t) for t in flat if t is not None and t.dtype.is_floating]
-        )
+        inputs = inputs_nonfinite(flat)
         terms = [tf.cast(loss_numerator, tf.float32)]
         if self.check_local_gradients:
             terms += _tensor_terms(grads)
@@ -250,6 +242,11 @@ def _capture_layout(specs):
             if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
                 return None, None
     return names, structure
+
+
+def _input_terms(tensors):
+    values = (tf.convert_to_tensor(t) for t in tensors if t is not None)
+    return [_input_term(t) for t in values if t.dtype.is_floating]
 
 
 def _tensor_terms(tensors):

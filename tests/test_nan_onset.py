@@ -307,11 +307,11 @@ def test_probe_flags_decode_both_bitmasks_and_fall_back_to_counts():
 
 
 def test_checks_count_overflowing_sums_as_nonfinite():
-    assert not bool(_nan_probe.input_nonfinite(np.array([3e38, -3e38], np.float32)))
-    assert bool(_nan_probe.input_nonfinite(np.array([3e38, 3e38], np.float32)))
-    assert bool(_nan_probe.input_nonfinite(np.array([1.0, np.nan], np.float32)))
-    assert not bool(_nan_probe.input_nonfinite(np.array([2**31 - 1, 1], np.int32)))
-    assert not bool(_nan_probe.input_nonfinite(np.full((1000,), 100.0, np.float16)))  # sums in float32
+    assert not bool(_nan_probe.inputs_nonfinite([np.array([3e38, -3e38], np.float32)]))
+    assert bool(_nan_probe.inputs_nonfinite([np.array([3e38, 3e38], np.float32)]))
+    assert bool(_nan_probe.inputs_nonfinite([np.array([1.0, np.nan], np.float32)]))
+    assert not bool(_nan_probe.inputs_nonfinite([np.array([2**31 - 1, 1], np.int32)]))
+    assert not bool(_nan_probe.inputs_nonfinite([np.full((1000,), 100.0, np.float16)]))  # sums in float32
     # Gradients and weights: the squared norm, as for the update's gradient norm.
     assert not bool(_nan_probe.tensor_nonfinite(np.full((4,), 1e18, np.float32)))
     assert bool(_nan_probe.tensor_nonfinite(np.full((4,), 1e20, np.float32)))

@@ -233,7 +233,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             restore = self._probe.restore if self.action == "restore" else None
             shares = _nan_locate.locate(model, self._probe, report, step, logged, weights, restore)
         else:
-            self._onset_plain(report, None if any(logged.values()) else weights)
+            self._onset_plain(report, weights, from_logs=any(logged.values()))
         if self.action == "restore":
             self._restore(report)
         if self.action != "continue":
@@ -247,11 +247,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if distributed.is_chief(model.distribute_strategy):
             print(report["summary"])
 
-    def _onset_plain(self, report, weights):
+    def _onset_plain(self, report, weights, from_logs):
         report["notes"].append(_nan_report.PLAIN_MODEL_NOTE)
-        report["kind"] = "weights" if weights else "loss"
-        report["variables"] = weights or _nan_replay.nonfinite_paths(self.model.trainable_weights)
-        if self._plain_snapshots is not None and not weights and self._previous is not None:
+        report["kind"] = "loss" if from_logs else "weights"
+        report["variables"] = weights
+        if self._plain_snapshots is not None and from_logs and self._previous is not None:
             broken = self._plain_snapshots.nonfinite_before(self._step - 1)
             if broken:
                 # The weights were already non-finite when this batch began: the
