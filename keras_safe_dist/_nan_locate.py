@@ -1,9 +1,10 @@
 """Where a non-finite value came from: the kind, the replicas, the layer, the variables.
 
 `NaNOnsetDetector` calls `locate` once per onset with a `SafeDistributedModel`:
-the step's reduced flags say which replicas fired and whose inputs were
-non-finite; the weights are checked on the host; the rest (loss, a layer, or
-gradients) comes from replaying the batch the firing replica captured. It
+the step's reduced flags say whether the weights were non-finite when it began
+(the previous update broke them), which replicas fired and whose inputs were
+non-finite; the rest (loss, a layer, or gradients) comes from replaying the
+batch the firing replica captured. It
 keeps `PlainSnapshots` for a plain `keras.Model` with `action="restore"`.
 """
 
@@ -22,8 +23,9 @@ def locate(model, probe, report, step, logged, weights, restore=None):
         model: the `SafeDistributedModel`.
         probe: its `NaNProbe`.
         report: the report being built.
-        step: the decoded flags of the onset step, or None for the check after
-            the epoch's last step (the update of a partial accumulation group).
+        step: the decoded flags of the onset step, or None for the weight
+            check at the epoch end (after the last step's update and the
+            flush of a partial accumulation group).
         logged: `{"loss": bool, "grad_norm": bool}`, whether the step's reduced
             loss and gradient norm are non-finite.
         weights: paths of the weights that are non-finite now.
@@ -34,16 +36,15 @@ def locate(model, probe, report, step, logged, weights, restore=None):
         `{global replica id: (x, y, sample_weight)}`: the shares to save.
     """
     strategy = model.distribute_strategy
-    shares = {}
-    if step is not None:
-        local = probe.captured_shares()
-        offset = _replica_offset(strategy, len(local))
-        shares = {index + offset: share for index, share in local.items()}
-    if step is None or (weights and not step.inputs and not any(logged.values())):
-        # The update overflowed from a finite loss and finite gradients.
-        kind, replicas, layer = "weights", [], None
-        report["variables"] = list(weights)
-    elif step.inputs:
+    if step is None or step.weights:
+        # An update overflowed from a finite loss and finite gradients; the
+        # batch that last ran is not the one that broke the weights.
+        report.update(kind="weights", variables=list(weights), replica=None, replicas=[])
+        return {}
+    local = probe.captured_shares()
+    offset = _replica_offset(strategy, len(local))
+    shares = {index + offset: share for index, share in local.items()}
+    if step.inputs:
         kind, replicas, layer = "inputs", list(step.input_replicas), None
     else:
         kind, replicas, layer = _replayed(model, report, step, logged, weights, shares, restore)
@@ -51,7 +52,7 @@ def locate(model, probe, report, step, logged, weights, restore=None):
     report["replica"] = replicas[0] if replicas else None
     if replicas:
         shares = {r: share for r, share in shares.items() if r in replicas}
-    if step is not None and not shares:
+    if not shares:
         report["notes"].append(
             "The batch could not be captured (non-numeric inputs)."
             if probe.capture is None

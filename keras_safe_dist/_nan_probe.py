@@ -1,22 +1,28 @@
 """In-graph non-finite checks for `SafeDistributedModel`'s train step.
 
 `NaNOnsetDetector` asks for them; the model builds a `NaNProbe` with its train
-function. Each step, every replica reduces what it can see to one health
-vector: one `reduce_sum` per floating input (`x`, `y`, `sample_weight` of its
-share), its micro-batch loss, one `l2_loss` per weight after the update and,
-with gradient accumulation, one per local gradient (to name the micro-batch).
-A non-finite entry in the vector (a NaN or an infinity in the tensor, or a sum
-that overflows float32) fires the replica. The update's reduced gradient norm
-is checked on the host from the step's `grad_norm` log.
+function. Each step, every replica reduces what it can see to two health
+vectors. Before the forward pass: one `l2_loss` per trainable weight, which
+checks the weights the previous update produced (the reads overlap the
+forward pass instead of trailing the update). After it: one `reduce_sum` per
+floating input (`x`, `y`, `sample_weight` of its share), its micro-batch loss
+and, with gradient accumulation, one `l2_loss` per local gradient (to name the
+micro-batch). A non-finite entry (a NaN or an infinity in the tensor, or a sum
+that overflows float32) fires the check. The update's reduced gradient norm is
+checked on the host from the step's `grad_norm` log; the last update of an
+epoch (and the epoch-end flush of a partial accumulation group) is checked by
+the detector at the epoch end, with `WeightCheck`.
 
 The flags leave the step as one float64 log entry, which Keras MEAN-reduces
 across replicas; each replica scales its entry by the number of replicas
 first, so the reduced value is an exact sum:
 
-- `nonfinite_replicas`: `fired + 2**24 * inputs`, where `fired` is the
-  bitmask of the replicas that fired (sum over replicas r of `2**r`) and
-  `inputs` the bitmask of those whose share of the inputs is non-finite; with
-  more than 24 replicas, both are counts of replicas instead.
+- `nonfinite_replicas`: `fired + B * inputs + B**2 * weights`. With up to 16
+  replicas, `B = 2**16`, `fired` is the bitmask of the replicas that fired
+  (sum over replicas r of `2**r`) and `inputs` the bitmask of those whose
+  share of the inputs is non-finite; with more, `B` is the number of replicas
+  plus one and both are counts of replicas. `weights` is the number of
+  replicas whose weights were non-finite when the step began.
 - `applied_updates` (for `action="continue"` only): updates applied so far
   this epoch.
 
@@ -27,13 +33,16 @@ the batch's buffer; nothing is copied), so after the step that fired the
 detector holds that batch and can replay it. What fired is worked out on the
 host then, from the flags, the weights and the replay. For
 `action="restore"` every step also assigns the weights and the optimizer state
-to replica-local variables before the forward pass; the update then writes
-new buffers, so this costs one copy of the model and its slots per step.
+to replica-local variables before the forward pass, keeping the previous
+step's too (a weight check at a step's start speaks of the update before it);
+the update then writes new buffers, so this costs one copy of the model and
+its slots per step, and two copies' worth of memory.
 """
 
 from typing import NamedTuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_safe_dist import _update
@@ -44,13 +53,15 @@ __all__ = [
     "ProbeRequest",
     "decode",
     "inputs_nonfinite",
+    "WeightCheck",
     "request_from",
     "tensor_nonfinite",
 ]
 
 LOG_NAMES = ("nonfinite_replicas", "applied_updates")
-MAX_REPLICAS_FOR_MASK = 24
-_FIELD = 2**MAX_REPLICAS_FOR_MASK  # two 24-bit fields fit float64's 53-bit integers
+MAX_REPLICAS_FOR_MASK = 16
+# With B = replicas + 1 the scaled entry stays below B**4, exact in float64 up to 2**53.
+MAX_REPLICAS = 8191
 _ON_READ = tf.VariableSynchronization.ON_READ
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
@@ -82,24 +93,30 @@ class Step(NamedTuple):
     """One step's decoded flags."""
 
     fired: int  # number of replicas that fired
-    replicas: tuple  # their ids, or () with more than 24 replicas
+    replicas: tuple  # their ids, or () with more than 16 replicas
     inputs: int  # number of replicas whose share of the inputs is non-finite
-    input_replicas: tuple  # their ids, or () with more than 24 replicas
+    input_replicas: tuple  # their ids, or () with more than 16 replicas
+    weights: int  # number of replicas whose weights were non-finite at the step's start
     applied_updates: object  # int, or None when not requested
 
 
 def decode(logs, num_replicas):
     """Decodes the probe's log entries (already reduced) into a `Step`."""
-    inputs, fired = divmod(int(round(logs["nonfinite_replicas"])), _FIELD)
+    base = _base(num_replicas)
+    weights, rest = divmod(int(round(logs["nonfinite_replicas"])), base**2)
+    inputs, fired = divmod(rest, base)
     replicas = input_replicas = ()
     if num_replicas <= MAX_REPLICAS_FOR_MASK:
         replicas = tuple(r for r in range(num_replicas) if fired >> r & 1)
         input_replicas = tuple(r for r in range(num_replicas) if inputs >> r & 1)
         fired, inputs = len(replicas), len(input_replicas)
     applied = logs.get("applied_updates")
-    return Step(
-        fired, replicas, inputs, input_replicas, None if applied is None else int(round(applied))
-    )
+    applied = None if applied is None else int(round(applied))
+    return Step(fired, replicas, inputs, input_replicas, weights, applied)
+
+
+def _base(num_replicas):
+    return 2**MAX_REPLICAS_FOR_MASK if num_replicas <= MAX_REPLICAS_FOR_MASK else num_replicas + 1
 
 
 # The checks, the same in-graph and on the host.
@@ -143,6 +160,12 @@ class NaNProbe:
         self.request = request
         self.strategy = model.distribute_strategy
         self.replicas = self.strategy.num_replicas_in_sync
+        if self.replicas > MAX_REPLICAS:
+            raise ValueError(
+                f"NaNOnsetDetector's in-step checks support up to {MAX_REPLICAS} replicas in "
+                f"sync. Received: a strategy with {self.replicas} replicas. Train without "
+                "the detector, or on fewer replicas."
+            )
         optimizer = model.optimizer
         self.loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         # Without accumulation every step is an update, whose reduced gradient
@@ -165,23 +188,36 @@ class NaNProbe:
             self.sources = []
             if request.snapshot:
                 self.sources = list(model.weights) + list(optimizer.variables)
-            self.snapshots = [_local(tf.zeros(v.shape, v.dtype)) for v in self.sources]
+            # `current`: before this step; `previous`: before the step before it.
+            self.current = [_local(tf.zeros(v.shape, v.dtype)) for v in self.sources]
+            self.previous = [_local(tf.zeros(v.shape, v.dtype)) for v in self.sources]
 
     # In-graph, replica context.
 
     def begin_step(self):
-        """Copies weights and optimizer state (restore only), before the forward pass."""
-        for snapshot, variable in zip(self.snapshots, self.sources):
-            snapshot.assign(variable, read_value=False)
+        """Before the forward pass: whether the weights are non-finite (a bool tensor).
 
-    def logs(self, data, loss_numerator, grads):
-        """After the update: the flag as log entries; captures this replica's share."""
+        With `action="restore"`, also copies the weights and optimizer state.
+        """
+        for previous, current, variable in zip(self.previous, self.current, self.sources):
+            previous.assign(current, read_value=False)
+            current.assign(variable, read_value=False)
+        return _any_nonfinite(_tensor_terms(self.model.trainable_weights))
+
+    def logs(self, data, loss_numerator, grads, weights):
+        """After the update: the flags as log entries; captures this replica's share.
+
+        Args:
+            data: `(x, y, sample_weight)` of this replica's share.
+            loss_numerator: its micro-batch loss numerator.
+            grads: its local gradients.
+            weights: what `begin_step` returned.
+        """
         flat = keras.tree.flatten(data)
         inputs = inputs_nonfinite(flat)
         terms = [tf.cast(loss_numerator, tf.float32)]
         if self.check_local_gradients:
             terms += _tensor_terms(grads)
-        terms += _tensor_terms(self.model.trainable_weights)
         fired = tf.logical_or(inputs, _any_nonfinite(terms))
         if self.capture is not None:
             for variable, value in zip(self.capture, flat):
@@ -191,8 +227,10 @@ class NaNProbe:
         if self.replicas <= MAX_REPLICAS_FOR_MASK:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
             bit = 2.0 ** int(tf.get_static_value(replica))
-        flags = tf.cast(fired, tf.float64) + _FIELD * tf.cast(inputs, tf.float64)
-        logs = {"nonfinite_replicas": flags * (bit * self.replicas)}
+        base = float(_base(self.replicas))
+        flags = bit * (tf.cast(fired, tf.float64) + base * tf.cast(inputs, tf.float64))
+        flags += base**2 * tf.cast(weights, tf.float64)
+        logs = {"nonfinite_replicas": flags * self.replicas}
         if "applied_updates" in self.log_names:
             stats = self.model._update_engine.stats
             logs["applied_updates"] = stats[_update._STATS.index("updates_in_epoch")]
@@ -220,12 +258,36 @@ class NaNProbe:
         """`(names, arrays)` of a captured share, in the order of `self.names`."""
         return self.names, [a for a in keras.tree.flatten(share) if a is not None]
 
-    def restore(self):
-        """Puts back the weights and optimizer state copied before the last step."""
+    def restore(self, previous=False):
+        """Puts back the weights and optimizer state copied before the last step.
+
+        Args:
+            previous: restore the copy from before the step before it instead.
+        """
+        snapshots = self.previous if previous else self.current
         with self.strategy.scope():
-            for snapshot, variable in zip(self.snapshots, self.sources):
+            for snapshot, variable in zip(snapshots, self.sources):
                 value = self.strategy.experimental_local_results(snapshot)[0]
                 variable.assign(value.read_value())
+
+
+class WeightCheck:
+    """The step's weight check as one compiled function: one host sync per call.
+
+    Args:
+        variables: the variables to check (a model's trainable weights).
+    """
+
+    def __init__(self, variables):
+        self.variables = [v for v in variables if tf.as_dtype(v.dtype).is_floating]
+        self.function = tf.function(lambda: tf.stack(_tensor_terms(self.variables)))
+
+    def __call__(self):
+        """Paths of the variables holding a non-finite value, in order."""
+        if not self.variables:
+            return []
+        terms = self.function().numpy()
+        return [v.path for v, term in zip(self.variables, terms) if not np.isfinite(term)]
 
 
 def _capture_layout(specs):

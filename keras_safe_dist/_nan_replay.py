@@ -24,7 +24,7 @@ from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import _nan_probe
 
-__all__ = ["Replay", "nonfinite_paths", "replay"]
+__all__ = ["Replay", "replay"]
 
 
 class Replay(NamedTuple):
@@ -86,15 +86,6 @@ def replay(model, x, y, sample_weight):
         if g is not None and bool(_nan_probe.tensor_nonfinite(g))
     )
     return Replay(layer, first, bool(_finite(loss)), bad_grads, None)
-
-
-def nonfinite_paths(variables):
-    """Paths of the variables holding a non-finite value, in order.
-
-    The train step's test: a variable whose squared norm overflows float32
-    counts as non-finite.
-    """
-    return [v.path for v in variables if bool(_nan_probe.tensor_nonfinite(v))]
 
 
 @contextlib.contextmanager

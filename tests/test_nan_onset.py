@@ -187,13 +187,14 @@ def test_nan_gradient_from_finite_loss_names_the_variable_and_replica(replicas, 
     assert report["replicas"] == [replicas - 1]
 
 
-def exploding(step):
-    return tf.where(step < 3, 0.05, 1e38)
-
-
 class Exploding(keras.optimizers.schedules.LearningRateSchedule):
+    """0.05, then 1e38 from update `at` on."""
+
+    def __init__(self, at=3):
+        self.at = at
+
     def __call__(self, step):
-        return exploding(step)
+        return tf.where(step < self.at, 0.05, 1e38)
 
 
 def test_exploding_learning_rate_restores_last_finite_weights_and_optimizer_state(replicas):
@@ -201,14 +202,55 @@ def test_exploding_learning_rate_restores_last_finite_weights_and_optimizer_stat
     y = y * 100.0  # gradients large enough for 1e38 * g to overflow
     model = build(replicas, optimizer=lambda: keras.optimizers.SGD(Exploding()))
     detector = NaNOnsetDetector(action="restore")
-    fit(model, x, y, detector)
+    history = fit(model, x, y, detector, epochs=2).history
     report = detector.report
-    assert (report["batch"], report["kind"], report["replicas"]) == (3, "weights", [])
+    # Batch 3's update overflowed; batch 4 found the weights non-finite when it began.
+    assert (report["epoch"], report["batch"], report["step"], report["kind"]) == (0, 3, 3, "weights")
+    assert (report["replica"], report["replicas"], report["layer"], report["files"]) == (None, [], None, {})
     assert report["variables"] and set(report["variables"]) <= {"hidden/kernel", "hidden/bias", "out/kernel", "out/bias"}
+    assert [h["batch"] for h in report["history"]] == [0, 1, 2, 3]
     assert report["restored_to"] == "before this batch"
     assert all(np.isfinite(w).all() for w in model.get_weights())
     assert_weights_close(reference_weights(x, y, 3), model.get_weights())
     assert int(model.optimizer.iterations.numpy()) == 3
+    assert len(history["loss"]) == 1
+
+
+def test_overflowing_last_update_of_an_epoch_is_found_at_the_epoch_end():
+    x, y = data()
+    y = y * 100.0
+    model = build(2, optimizer=lambda: keras.optimizers.SGD(Exploding(at=7)))
+    detector = NaNOnsetDetector(action="restore")
+    history = fit(model, x, y, detector, epochs=2).history
+    report = detector.report
+    assert (report["epoch"], report["batch"], report["step"], report["kind"]) == (0, 7, 7, "weights")
+    assert report["restored_to"] == "before this batch" and len(history["loss"]) == 1
+    assert_weights_close(reference_weights(x, y, 7), model.get_weights())
+    assert int(model.optimizer.iterations.numpy()) == 7
+
+
+def test_weights_nonfinite_before_training_are_reported_without_a_restore():
+    x, y = data()
+    model = build(2)
+    kernel = model.get_layer("out").kernel
+    kernel.assign(np.full(kernel.shape, np.inf, np.float32))
+    detector = NaNOnsetDetector(action="restore")
+    fit(model, x, y, detector)
+    report = detector.report
+    assert (report["epoch"], report["batch"], report["step"], report["kind"]) == (0, 0, 0, "weights")
+    assert report["variables"] == ["out/kernel"] and report["restored_to"] is None
+    assert report["notes"][-2:] == [
+        "The weights were non-finite before training began.",
+        "No finite copy of the weights was available to restore.",
+    ]
+
+
+def test_probe_refuses_more_replicas_than_its_flags_can_count(monkeypatch):
+    model = build(2)
+    monkeypatch.setattr(_nan_probe, "MAX_REPLICAS", 1)
+    request = _nan_probe.ProbeRequest(snapshot=False, count_updates=False)
+    with pytest.raises(ValueError, match=r"support up to 1 replicas in sync. Received: a strategy with 2 replicas"):
+        _nan_probe.NaNProbe(model, request, None)
 
 
 def test_overflowing_epoch_end_flush_is_reported_and_restored(replicas):
@@ -299,11 +341,29 @@ def test_plain_keras_model_restore_finds_the_update_that_broke_the_weights(repli
 
 def test_probe_flags_decode_both_bitmasks_and_fall_back_to_counts():
     # Replicas 0 and 3 fired; replica 3's inputs were non-finite.
-    step = _nan_probe.decode({"nonfinite_replicas": float(0b1001 + 2**24 * 0b1000)}, 4)
-    assert (step.fired, step.replicas, step.inputs, step.input_replicas) == (2, (0, 3), 1, (3,))
-    # Beyond 24 replicas the fields are counts.
-    step = _nan_probe.decode({"nonfinite_replicas": float(5 + 2**24 * 2)}, 32)
-    assert (step.fired, step.replicas, step.inputs, step.input_replicas) == (5, (), 2, ())
+    step = _nan_probe.decode({"nonfinite_replicas": float(0b1001 + 2**16 * 0b1000)}, 4)
+    assert (step.fired, step.replicas, step.inputs, step.input_replicas, step.weights) == (2, (0, 3), 1, (3,), 0)
+    # All 16 replicas fired, with non-finite inputs, and began with non-finite weights.
+    step = _nan_probe.decode({"nonfinite_replicas": float((2**16 - 1) * (1 + 2**16) + 16 * 2**32)}, 16)
+    assert (step.replicas, step.input_replicas, step.weights) == (tuple(range(16)), tuple(range(16)), 16)
+    # Beyond 16 replicas the fields are counts, in base replicas + 1.
+    step = _nan_probe.decode({"nonfinite_replicas": float(5 + 33 * 2 + 33**2 * 32)}, 32)
+    assert (step.fired, step.replicas, step.inputs, step.input_replicas, step.weights) == (5, (), 2, (), 32)
+
+
+@pytest.mark.parametrize("num_replicas", [3, 16, 17, 8191])
+def test_probe_flags_survive_the_mean_reduction_exactly(num_replicas):
+    # Each replica scales its entry by the number of replicas; Keras sums and divides.
+    ids = range(min(num_replicas, 16))
+    entry = _nan_probe._base(num_replicas) ** 2 * num_replicas + sum(2**r if num_replicas <= 16 else 1 for r in ids)
+    per_replica = np.full(num_replicas, 0.0)
+    per_replica[: len(ids)] = [
+        (2.0**r if num_replicas <= 16 else 1.0) + _nan_probe._base(num_replicas) ** 2 for r in ids
+    ]
+    per_replica[len(ids):] = _nan_probe._base(num_replicas) ** 2
+    mean = float(tf.reduce_sum(tf.constant(per_replica * num_replicas, tf.float64)) / num_replicas)
+    step = _nan_probe.decode({"nonfinite_replicas": mean}, num_replicas)
+    assert mean == entry and step.weights == num_replicas and step.fired == len(ids)
 
 
 def test_checks_count_overflowing_sums_as_nonfinite():

@@ -7,7 +7,6 @@ import keras
 
 from keras_safe_dist import _nan_locate
 from keras_safe_dist import _nan_probe
-from keras_safe_dist import _nan_replay
 from keras_safe_dist import _nan_report
 from keras_safe_dist import _update
 from keras_safe_dist import _validate
@@ -24,15 +23,18 @@ ACTIONS = ("stop", "restore", "continue")
 class NaNOnsetDetector(keras.callbacks.Callback):
     """Finds the first step at which training went non-finite, and why.
 
-    With a `SafeDistributedModel`, the train step checks, on every replica, its
-    share of the inputs (`x`, `y`, `sample_weight`), its loss and the weights
-    after the update (with gradient accumulation, also its gradients), and
-    keeps its share of the batch in a replica-local variable. The result
-    travels with the step's logs as one scalar (no extra collective, no extra
-    host round trip, no control flow; Keras's TensorFlow trainer already turns
-    the logs into Python numbers before any batch hook). On the first step
-    that fires, the detector checks the weights and replays the firing
-    replica's share once, eagerly, checking every layer's output, and reports:
+    With a `SafeDistributedModel`, the train step checks, on every replica, the
+    weights when it begins (what the previous update produced), its share of
+    the inputs (`x`, `y`, `sample_weight`) and its loss (with gradient
+    accumulation, also its gradients), and keeps its share of the batch in a
+    replica-local variable. The result travels with the step's logs as one
+    scalar (no extra collective, no extra host round trip, no control flow;
+    Keras's TensorFlow trainer already turns the logs into Python numbers
+    before any batch hook). The epoch's last update is checked at the epoch
+    end, with one compiled function. On the first step that fires, the
+    detector replays the firing replica's share once, eagerly, checking every
+    layer's output (unless the weights were already non-finite: that is
+    reported at the batch before), and reports:
 
     - `epoch`, `batch`: 0-based, as Keras counts batches in an epoch (with
       gradient accumulation, the micro-batch where the value entered);
@@ -42,7 +44,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
       from finite inputs on that batch, or None;
     - `variables`: paths of the non-finite gradients or weights;
     - `replica` / `replicas`: the replicas whose share fired (None / [] for
-      weights, or with more than 24 replicas);
+      weights, or with more than 16 replicas);
     - `history`: epoch, batch, logged loss and `grad_norm` of the last
       `history` steps.
 
@@ -55,7 +57,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     `kind` `loss` or `weights`, but no layer, replica, gradients or batch.
 
     Every replica and worker reads the same reduced logs, so all take the same
-    decision. Under a `LossScaleOptimizer` non-finite gradients are routine (the
+    decision. Put the detector before `ModelCheckpoint` or `BackupAndRestore`:
+    epoch-end hooks run in list order, and its own finds (and, with
+    `"restore"`, repairs) an overflow in the epoch's last update. Under a `LossScaleOptimizer` non-finite gradients are routine (the
     update is skipped and the scale halves) and are not reported.
 
     Args:
@@ -63,7 +67,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         action: `"stop"` ends training after the onset batch (with
             `skip_nonfinite`, its update was skipped). `"restore"` also puts
             back the weights and optimizer state from before that batch; it
-            keeps one copy of both, refreshed every step. `"continue"` keeps
+            keeps two copies of both (from before each of the last two
+            steps), refreshed every step. `"continue"` keeps
             training with non-finite updates skipped (SafeDistributedModel with
             `skip_nonfinite=True` only) and stops after
             `max_consecutive_skips` skipped updates in a row.
@@ -154,6 +159,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._skipped_seen = 0
         self._applied_seen = 0
         self._plain_snapshots = None
+        self._weight_check = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -185,7 +191,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             }
             if flags.get("nonfinite_replicas") or any(logged.values()):
                 step = _nan_probe.decode(flags, self._replicas) if flags else None
-                self._onset(batch, step, logged)
+                if step is not None and step.weights:
+                    # The weights were non-finite before this step: the previous
+                    # update broke them.
+                    self._onset(step, logged, previous=True)
+                else:
+                    self._onset(step, logged)
         if self.action == "continue" and "applied_updates" in flags:
             applied = int(round(flags["applied_updates"]))
             self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
@@ -200,42 +211,56 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             # after the last step (SafeDistributedModel's epoch-end flush).
             applied = self._updates_in_epoch()
             self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
-        # The step checks the weights after its own update; with accumulation the
-        # epoch-end flush may apply one more. A plain model is checked here.
-        flushed = self._full and self.model.gradient_accumulation_steps > 1
-        if self.report is None and self._last_batch is not None and (flushed or not self._full):
-            if _nan_replay.nonfinite_paths(self.model.trainable_weights):
-                self._onset(self._last_batch[1], None, {"loss": False, "grad_norm": False})
+        # A step checks the weights the update before it produced: the epoch's
+        # last update (and the flush of a partial accumulation group) is
+        # checked here, once, before the next epoch or the end of training.
+        if self.report is None and self._last_batch is not None:
+            if self._nonfinite_weights():
+                self._onset(None, {"loss": False, "grad_norm": False})
 
     # Onset.
 
-    def _onset(self, batch, step, logged):
+    def _onset(self, step, logged, previous=False):
+        """Builds, writes and acts on the report.
+
+        Args:
+            step: the last step's decoded flags, or None (epoch-end check).
+            logged: whether its logged loss and grad norm are non-finite.
+            previous: the weights were non-finite when the last step began:
+                report the step before it, and restore from before that one.
+        """
         model = self.model
+        history = list(self._recent)
+        (epoch, batch), index = self._last_batch, self._step - 1
+        if previous and self._previous is not None:
+            (epoch, batch), index, history = self._previous, index - 1, history[:-1]
         report = {
-            "epoch": self._epoch,
+            "epoch": epoch,
             "batch": batch,
-            "step": self._step - 1,
+            "step": index,
             "kind": None,
             "layer": None,
             "variables": [],
             "replica": None,
             "replicas": [],
-            "history": list(self._recent),
+            "history": history,
             "action": self.action,
             "model": type(model).__name__,
             "localized": self._full,
             "notes": [],
             "files": {},
         }
-        weights = _nan_replay.nonfinite_paths(model.trainable_weights)
+        weights = self._nonfinite_weights()
         shares = {}
         if self._full:
             restore = self._probe.restore if self.action == "restore" else None
             shares = _nan_locate.locate(model, self._probe, report, step, logged, weights, restore)
         else:
             self._onset_plain(report, weights, from_logs=any(logged.values()))
+        if previous and self._previous is None:
+            report["notes"].append("The weights were non-finite before training began.")
         if self.action == "restore":
-            self._restore(report)
+            self._restore(report, previous)
         if self.action != "continue":
             model.stop_training = True
         _nan_report.finish(report, self.action, self.max_consecutive_skips)
@@ -259,9 +284,13 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 report.update(kind="weights", variables=broken)
                 report["epoch"], report["batch"] = self._previous
 
-    def _restore(self, report):
+    def _restore(self, report, previous):
         if self._full:
-            self._probe.restore()
+            if previous and self._previous is None:
+                report["restored_to"] = None
+                report["notes"].append("No finite copy of the weights was available to restore.")
+                return
+            self._probe.restore(previous=previous)
             report["restored_to"] = "before this batch"
             return
         restored = None
@@ -296,6 +325,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                         self.report,
                         strategy=self.model.distribute_strategy,
                     )
+
+    def _nonfinite_weights(self):
+        if self._weight_check is None:
+            self._weight_check = _nan_probe.WeightCheck(self.model.trainable_weights)
+        return self._weight_check()
 
     def _updates_in_epoch(self):
         stats = self.model._update_engine.stats.numpy()
