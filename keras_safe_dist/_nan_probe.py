@@ -1,10 +1,11 @@
 """In-graph non-finite checks for `SafeDistributedModel`'s train step.
 
 `NaNOnsetDetector` asks for them; the model builds a `NaNProbe` with its train
-function. Each step, every replica reduces what it can see to two health
-vectors. Before the forward pass: one `l2_loss` per trainable weight, which
-checks the weights the previous update produced (the reads overlap the
-forward pass instead of trailing the update). After it: one `reduce_sum` per
+function. Each step, every replica reduces what it can see to health
+vectors. Before the forward pass, the first replica of each worker computes
+one `l2_loss` per trainable weight, which checks the weights the previous
+update produced (the reads overlap the forward pass instead of trailing the
+update; a worker's replicas hold identical copies). After it, every replica: one `reduce_sum` per
 floating input (`x`, `y`, `sample_weight` of its share), its micro-batch loss
 and, with gradient accumulation, one `l2_loss` per local gradient (to name the
 micro-batch). A non-finite entry (a NaN or an infinity in the tensor, or a sum
@@ -22,7 +23,7 @@ first, so the reduced value is an exact sum:
   (sum over replicas r of `2**r`) and `inputs` the bitmask of those whose
   share of the inputs is non-finite; with more, `B` is the number of replicas
   plus one and both are counts of replicas. `weights` is the number of
-  replicas whose weights were non-finite when the step began.
+  workers whose weights were non-finite when the step began.
 - `applied_updates` (for `action="continue"` only): updates applied so far
   this epoch.
 
@@ -96,7 +97,7 @@ class Step(NamedTuple):
     replicas: tuple  # their ids, or () with more than 16 replicas
     inputs: int  # number of replicas whose share of the inputs is non-finite
     input_replicas: tuple  # their ids, or () with more than 16 replicas
-    weights: int  # number of replicas whose weights were non-finite at the step's start
+    weights: int  # number of workers whose weights were non-finite at the step's start
     applied_updates: object  # int, or None when not requested
 
 
@@ -124,7 +125,7 @@ def _base(num_replicas):
 
 def inputs_nonfinite(tensors):
     """Whether a floating input holds a non-finite value (or its sum overflows float32)."""
-    return _any_nonfinite(_input_terms(tensors))
+    return tf.logical_not(_all_finite(_input_terms(tensors)))
 
 
 def tensor_nonfinite(tensor):
@@ -132,7 +133,7 @@ def tensor_nonfinite(tensor):
 
     The same test as the update's reduced gradient norm.
     """
-    return _any_nonfinite(_tensor_terms([tensor]))
+    return tf.logical_not(_all_finite(_tensor_terms([tensor])))
 
 
 def _input_term(tensor):
@@ -174,6 +175,7 @@ class NaNProbe:
         # micro-batch. Under loss scaling non-finite gradients are routine.
         self.check_local_gradients = model.gradient_accumulation_steps > 1 and not self.loss_scaled
         self.log_names = LOG_NAMES if request.count_updates else LOG_NAMES[:-1]
+        self.local_replicas = _local_replicas(self.strategy)
         self.names, self.structure = _capture_layout(specs)
         with self.strategy.scope():
             self.capture = None
@@ -195,46 +197,53 @@ class NaNProbe:
     # In-graph, replica context.
 
     def begin_step(self):
-        """Before the forward pass: whether the weights are non-finite (a bool tensor).
+        """Before the forward pass: whether the weights are all finite (a bool tensor).
 
-        With `action="restore"`, also copies the weights and optimizer state.
+        A worker's replicas hold identical copies of the weights, so only its
+        first replica checks them. With `action="restore"`, also copies the
+        weights and optimizer state.
         """
         for previous, current, variable in zip(self.previous, self.current, self.sources):
             previous.assign(current, read_value=False)
             current.assign(variable, read_value=False)
-        return _any_nonfinite(_tensor_terms(self.model.trainable_weights))
+        if self._replica_id() % self.local_replicas:
+            return tf.constant(True)
+        return _all_finite(_tensor_terms(self.model.trainable_weights))
 
-    def logs(self, data, loss_numerator, grads, weights):
+    def logs(self, data, loss_numerator, grads, weights_finite):
         """After the update: the flags as log entries; captures this replica's share.
 
         Args:
             data: `(x, y, sample_weight)` of this replica's share.
             loss_numerator: its micro-batch loss numerator.
             grads: its local gradients.
-            weights: what `begin_step` returned.
+            weights_finite: what `begin_step` returned.
         """
         flat = keras.tree.flatten(data)
-        inputs = inputs_nonfinite(flat)
+        inputs_finite = _all_finite(_input_terms(flat))
         terms = [tf.cast(loss_numerator, tf.float32)]
         if self.check_local_gradients:
             terms += _tensor_terms(grads)
-        fired = tf.logical_or(inputs, _any_nonfinite(terms))
+        finite = tf.logical_and(inputs_finite, _all_finite(terms))
         if self.capture is not None:
             for variable, value in zip(self.capture, flat):
                 if variable is not None:
                     variable.assign(value, read_value=False)
-        bit = 1.0
-        if self.replicas <= MAX_REPLICAS_FOR_MASK:
-            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            bit = 2.0 ** int(tf.get_static_value(replica))
+        # One dot product: replicas * (bit * fired + bit * B * inputs + B**2 * weights).
+        bit = 2.0 ** self._replica_id() if self.replicas <= MAX_REPLICAS_FOR_MASK else 1.0
         base = float(_base(self.replicas))
-        flags = bit * (tf.cast(fired, tf.float64) + base * tf.cast(inputs, tf.float64))
-        flags += base**2 * tf.cast(weights, tf.float64)
-        logs = {"nonfinite_replicas": flags * self.replicas}
+        scales = np.array([bit, bit * base, base**2]) * self.replicas
+        nonfinite = 1.0 - tf.cast(tf.stack([finite, inputs_finite, weights_finite]), tf.float64)
+        logs = {"nonfinite_replicas": tf.reduce_sum(scales * nonfinite)}
         if "applied_updates" in self.log_names:
             stats = self.model._update_engine.stats
             logs["applied_updates"] = stats[_update._STATS.index("updates_in_epoch")]
         return logs
+
+    def _replica_id(self):
+        """This replica's id in the sync group, a Python int (static under tf.distribute)."""
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return int(tf.get_static_value(replica))
 
     # Host side.
 
@@ -290,6 +299,14 @@ class WeightCheck:
         return [v.path for v, term in zip(self.variables, terms) if not np.isfinite(term)]
 
 
+def _local_replicas(strategy):
+    """Replicas on this worker."""
+    try:
+        return len(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy: one replica
+        return 1
+
+
 def _capture_layout(specs):
     if specs is None:
         return None, None
@@ -320,11 +337,11 @@ def _tensor_terms(tensors):
     return [_tensor_term(t) for t in values if t.dtype.is_floating]
 
 
-def _any_nonfinite(terms):
+def _all_finite(terms):
     # A vector, not a sum: large finite terms must not add up to infinity.
     if not terms:
-        return tf.constant(False)
-    return tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(terms))))
+        return tf.constant(True)
+    return tf.reduce_all(tf.math.is_finite(tf.stack(terms)))
 
 
 def _local(initial, shape=None):

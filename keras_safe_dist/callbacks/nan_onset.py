@@ -191,12 +191,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             }
             if flags.get("nonfinite_replicas") or any(logged.values()):
                 step = _nan_probe.decode(flags, self._replicas) if flags else None
-                if step is not None and step.weights:
-                    # The weights were non-finite before this step: the previous
-                    # update broke them.
-                    self._onset(step, logged, previous=True)
-                else:
-                    self._onset(step, logged)
+                # Weights non-finite when this step began: the previous update broke them.
+                self._onset(step, logged, previous=step is not None and step.weights > 0)
         if self.action == "continue" and "applied_updates" in flags:
             applied = int(round(flags["applied_updates"]))
             self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
