@@ -1,18 +1,20 @@
 """In-graph non-finite checks for `SafeDistributedModel`'s train step.
 
 `NaNOnsetDetector` asks for them; the model builds a `NaNProbe` with its train
-function. Each step, every replica reduces what it can see to health
-vectors. Before the forward pass, the first replica of each worker computes
-one `l2_loss` per trainable weight, which checks the weights the previous
-update produced (the reads overlap the forward pass instead of trailing the
-update; a worker's replicas hold identical copies). After it, every replica: one `reduce_sum` per
-floating input (`x`, `y`, `sample_weight` of its share), its micro-batch loss
-and, with gradient accumulation, one `l2_loss` per local gradient (to name the
-micro-batch). A non-finite entry (a NaN or an infinity in the tensor, or a sum
-that overflows float32) fires the check. The update's reduced gradient norm is
-checked on the host from the step's `grad_norm` log; the last update of an
-epoch (and the epoch-end flush of a partial accumulation group) is checked by
-the detector at the epoch end, with `WeightCheck`.
+function. Each step, every replica reduces what it can see to scalar terms.
+Before the forward pass, the first replica of each worker takes one `l2_loss`
+per trainable weight, which checks the weights the previous update produced
+(the reads overlap the forward pass instead of trailing the update; a
+worker's replicas hold identical copies). After it, every replica adds one
+`reduce_sum` per floating input (`x`, `y`, `sample_weight` of its share), its
+micro-batch loss and, with gradient accumulation, one `l2_loss` per local
+gradient (to name the micro-batch). One `is_finite` on the stacked terms and
+one segment reduction give the three flags: a term is non-finite when its
+tensor holds a NaN or an infinity, or its sum overflows float32. The update's
+reduced gradient norm is checked on the host from the step's `grad_norm` log;
+the last update of an epoch (and the epoch-end flush of a partial
+accumulation group) is checked by the detector at the epoch end, with
+`WeightCheck`.
 
 The flags leave the step as one float64 log entry, which Keras MEAN-reduces
 across replicas; each replica scales its entry by the number of replicas
@@ -197,7 +199,7 @@ class NaNProbe:
     # In-graph, replica context.
 
     def begin_step(self):
-        """Before the forward pass: whether the weights are all finite (a bool tensor).
+        """Before the forward pass: the weights' terms (reads before the update).
 
         A worker's replicas hold identical copies of the weights, so only its
         first replica checks them. With `action="restore"`, also copies the
@@ -207,33 +209,32 @@ class NaNProbe:
             previous.assign(current, read_value=False)
             current.assign(variable, read_value=False)
         if self._replica_id() % self.local_replicas:
-            return tf.constant(True)
-        return _all_finite(_tensor_terms(self.model.trainable_weights))
+            return []
+        return _tensor_terms(self.model.trainable_weights)
 
-    def logs(self, data, loss_numerator, grads, weights_finite):
+    def logs(self, data, loss_numerator, grads, weight_terms):
         """After the update: the flags as log entries; captures this replica's share.
 
         Args:
             data: `(x, y, sample_weight)` of this replica's share.
             loss_numerator: its micro-batch loss numerator.
             grads: its local gradients.
-            weights_finite: what `begin_step` returned.
+            weight_terms: what `begin_step` returned.
         """
         flat = keras.tree.flatten(data)
-        inputs_finite = _all_finite(_input_terms(flat))
-        terms = [tf.cast(loss_numerator, tf.float32)]
+        inputs = _input_terms(flat)
+        fired = [tf.cast(loss_numerator, tf.float32)] + inputs
         if self.check_local_gradients:
-            terms += _tensor_terms(grads)
-        finite = tf.logical_and(inputs_finite, _all_finite(terms))
+            fired += _tensor_terms(grads)
         if self.capture is not None:
             for variable, value in zip(self.capture, flat):
                 if variable is not None:
                     variable.assign(value, read_value=False)
-        # One dot product: replicas * (bit * fired + bit * B * inputs + B**2 * weights).
+        # replicas * (bit * fired + bit * B * inputs + B**2 * weights), as one dot product.
         bit = 2.0 ** self._replica_id() if self.replicas <= MAX_REPLICAS_FOR_MASK else 1.0
         base = float(_base(self.replicas))
         scales = np.array([bit, bit * base, base**2]) * self.replicas
-        nonfinite = 1.0 - tf.cast(tf.stack([finite, inputs_finite, weights_finite]), tf.float64)
+        nonfinite = _nonfinite_groups([fired, inputs, weight_terms])
         logs = {"nonfinite_replicas": tf.reduce_sum(scales * nonfinite)}
         if "applied_updates" in self.log_names:
             stats = self.model._update_engine.stats
@@ -335,6 +336,17 @@ def _tensor_terms(tensors):
         if t is not None
     )
     return [_tensor_term(t) for t in values if t.dtype.is_floating]
+
+
+def _nonfinite_groups(groups):
+    """Per group of terms, 1.0 if one is non-finite, else 0.0 (float64): one reduction."""
+    terms, ids = [], []
+    for index, group in enumerate(groups):
+        group = group or [tf.zeros(())]  # an empty group is finite
+        terms += group
+        ids += [index] * len(group)
+    finite = tf.cast(tf.math.is_finite(tf.stack(terms)), tf.float64)
+    return 1.0 - tf.math.unsorted_segment_min(finite, ids, len(groups))
 
 
 def _all_finite(terms):

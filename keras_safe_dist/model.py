@@ -251,7 +251,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         probe = self._nan_probe
-        weights_finite = probe.begin_step() if probe is not None else None
+        weight_terms = probe.begin_step() if probe is not None else None
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
@@ -263,7 +263,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         logs.update(self._update_engine.logs())
         if probe is not None:
             logs.update(
-                probe.logs((x, y, sample_weight), micro.numerator, grads, weights_finite)
+                probe.logs((x, y, sample_weight), micro.numerator, grads, weight_terms)
             )
         if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
             # Keras reduces step outputs across workers with
