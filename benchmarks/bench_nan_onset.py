@@ -47,7 +47,7 @@ from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
 MODELS = {"small MLP": (32, 256, 8192), "medium MLP": (256, 1024, 4096)}
 BATCH = 256
 EPOCHS_PER_TIMING = 3
-STEP_REPEATS = 30  # timings of one epoch's worth of train steps, per configuration
+STEP_REPEATS = 60  # timings of one epoch's worth of train steps, per configuration
 CONFIGS = {
     "none": lambda: [],
     # The same configuration traced a second time: the noise floor of the ratios.
