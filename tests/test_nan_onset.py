@@ -229,6 +229,27 @@ def test_overflowing_last_update_of_an_epoch_is_found_at_the_epoch_end():
     assert int(model.optimizer.iterations.numpy()) == 7
 
 
+def test_mixed_precision_ignores_loss_scale_overflows_and_finds_nan_inputs():
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = data()
+    x[5 * BATCH + 1, 0] = np.nan  # batch 5, the first replica's share
+    model = build(
+        2,
+        optimizer=lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.05), initial_scale=2.0**40, dynamic_growth_steps=2
+        ),
+    )
+    detector = NaNOnsetDetector()
+    fit(model, x, y, detector)
+    report = detector.report
+    # The scaled gradients overflowed float16 on the first batches; those
+    # updates were skipped and the scale halved, without a report.
+    assert float(model.optimizer.dynamic_scale.numpy()) < 2.0**40
+    assert any(not np.isfinite(h["grad_norm"]) for h in report["history"])
+    assert (report["batch"], report["kind"], report["replicas"]) == (5, "inputs", [0])
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
 def test_weights_nonfinite_before_training_are_reported_without_a_restore():
     x, y = data()
     model = build(2)
