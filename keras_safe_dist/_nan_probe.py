@@ -127,7 +127,7 @@ def _base(num_replicas):
 
 def inputs_nonfinite(tensors):
     """Whether a floating input holds a non-finite value (or its sum overflows float32)."""
-    return tf.logical_not(_all_finite(_input_terms(tensors)))
+    return _nonfinite_groups([_input_terms(tensors)])[0] > 0
 
 
 def tensor_nonfinite(tensor):
@@ -135,7 +135,7 @@ def tensor_nonfinite(tensor):
 
     The same test as the update's reduced gradient norm.
     """
-    return tf.logical_not(_all_finite(_tensor_terms([tensor])))
+    return _nonfinite_groups([_tensor_terms([tensor])])[0] > 0
 
 
 def _input_term(tensor):
@@ -339,7 +339,11 @@ def _tensor_terms(tensors):
 
 
 def _nonfinite_groups(groups):
-    """Per group of terms, 1.0 if one is non-finite, else 0.0 (float64): one reduction."""
+    """Per group of terms, 1.0 if one is non-finite, else 0.0 (float64): one reduction.
+
+    The terms are checked one by one, not summed: large finite terms must not
+    add up to infinity.
+    """
     terms, ids = [], []
     for index, group in enumerate(groups):
         group = group or [tf.zeros(())]  # an empty group is finite
@@ -347,13 +351,6 @@ def _nonfinite_groups(groups):
         ids += [index] * len(group)
     finite = tf.cast(tf.math.is_finite(tf.stack(terms)), tf.float64)
     return 1.0 - tf.math.unsorted_segment_min(finite, ids, len(groups))
-
-
-def _all_finite(terms):
-    # A vector, not a sum: large finite terms must not add up to infinity.
-    if not terms:
-        return tf.constant(True)
-    return tf.reduce_all(tf.math.is_finite(tf.stack(terms)))
 
 
 def _local(initial, shape=None):
