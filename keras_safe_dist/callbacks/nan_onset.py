@@ -58,9 +58,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     Every replica and worker reads the same reduced logs, so all take the same
     decision. Put the detector before `ModelCheckpoint` or `BackupAndRestore`:
-    epoch-end hooks run in list order, and its own finds (and, with
-    `"restore"`, repairs) an overflow in the epoch's last update. Under a `LossScaleOptimizer` non-finite gradients are routine (the
-    update is skipped and the scale halves) and are not reported.
+    epoch-end hooks run in list order, and the detector's finds (and, with
+    `"restore"`, repairs) an overflow in the epoch's last update. Under a
+    `LossScaleOptimizer` non-finite gradients are routine (the update is
+    skipped and the scale halves) and are not reported.
 
     Args:
         log_dir: directory for the report files, or None to write nothing.
