@@ -33,8 +33,10 @@ No extra collective, no host round trip and no control flow: the values
 travel with the logs Keras already returns. Every replica also assigns its
 share of the batch to replica-local variables each step (TensorFlow shares
 the batch's buffer; nothing is copied), so after the step that fired the
-detector holds that batch and can replay it. What fired is worked out on the
-host then, from the flags, the weights and the replay. For
+detector holds that batch and can replay it. XLA cannot change a variable's
+shape, so with `jit_compile=True` the model compiles the rest of the step
+with XLA on its own and assigns the batch outside it. What fired is worked
+out on the host then, from the flags, the weights and the replay. For
 `action="restore"` every step also assigns the weights and the optimizer state
 to replica-local variables before the forward pass, keeping the previous
 step's too (a weight check at a step's start speaks of the update before it);
@@ -212,8 +214,26 @@ class NaNProbe:
             return []
         return _tensor_terms(self.model.trainable_weights)
 
+    @property
+    def captures(self):
+        """Whether the step keeps its share of the batch (numeric inputs only)."""
+        return self.capture is not None
+
+    def capture_share(self, data):
+        """Assigns this replica's share of the batch to the capture variables.
+
+        TensorFlow shares the batch's buffer: nothing is copied. Called outside
+        an XLA-compiled step, which cannot change a variable's shape.
+        """
+        if self.capture is None:
+            return
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        for variable, value in zip(self.capture, keras.tree.flatten((x, y, sample_weight))):
+            if variable is not None:
+                variable.assign(value, read_value=False)
+
     def logs(self, data, loss_numerator, grads, weight_terms):
-        """After the update: the flags as log entries; captures this replica's share.
+        """After the update: the flags as log entries.
 
         Args:
             data: `(x, y, sample_weight)` of this replica's share.
@@ -226,10 +246,6 @@ class NaNProbe:
         fired = [tf.cast(loss_numerator, tf.float32)] + inputs
         if self.check_local_gradients:
             fired += _tensor_terms(grads)
-        if self.capture is not None:
-            for variable, value in zip(self.capture, flat):
-                if variable is not None:
-                    variable.assign(value, read_value=False)
         # replicas * (bit * fired + bit * B * inputs + B**2 * weights), as one dot product.
         bit = 2.0 ** self._replica_id() if self.replicas <= MAX_REPLICAS_FOR_MASK else 1.0
         base = float(_base(self.replicas))

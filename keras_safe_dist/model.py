@@ -111,6 +111,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         # Set by fit() from a NaNOnsetDetector among the callbacks.
         self._nan_probe_request = None
         self._nan_probe = None
+        # The step compiled with XLA on its own, when the batch is captured outside it.
+        self._xla_step = None
 
     def get_config(self):
         config = super().get_config()
@@ -246,9 +248,24 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             self._nan_probe = _nan_probe.NaNProbe(
                 self, self._nan_probe_request, _compat.train_data_specs(self)
             )
-        return super().make_train_function(force=force)
+        self._xla_step = None
+        if self._nan_probe is None or not self._nan_probe.captures or not self.jit_compile:
+            return super().make_train_function(force=force)
+        # XLA cannot assign a batch of another shape to the capture variables:
+        # compile the step with XLA on its own and capture the batch around it.
+        self._xla_step = tf.function(self._step, jit_compile=True, reduce_retracing=True)
+        self.jit_compile = False
+        try:
+            return super().make_train_function(force=force)
+        finally:
+            self.jit_compile = True
 
     def train_step(self, data):
+        if self._nan_probe is not None:
+            self._nan_probe.capture_share(data)
+        return (self._xla_step or self._step)(data)
+
+    def _step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         probe = self._nan_probe
         weight_terms = probe.begin_step() if probe is not None else None

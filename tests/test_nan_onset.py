@@ -49,7 +49,9 @@ def data(samples=64):
     return np.abs(x), y
 
 
-def build(replicas, model_class=SafeDistributedModel, first=None, optimizer=None, loss="mse", **options):
+def build(
+    replicas, model_class=SafeDistributedModel, first=None, optimizer=None, loss="mse", jit_compile="auto", **options
+):
     with strategy_for(replicas).scope():
         keras.utils.set_random_seed(1)
         inputs = keras.Input((4,))
@@ -57,7 +59,9 @@ def build(replicas, model_class=SafeDistributedModel, first=None, optimizer=None
         hidden = keras.layers.Dense(3, activation="tanh", name="hidden")(hidden)
         outputs = keras.layers.Dense(1, name="out")(hidden)
         model = model_class(inputs, outputs, **options)
-        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05), loss=loss)
+        model.compile(
+            optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05), loss=loss, jit_compile=jit_compile
+        )
     return model
 
 
@@ -135,6 +139,21 @@ def test_applied_nonfinite_update_is_replayed_only_from_the_restored_weights(act
     assert skipped_replay is (action == "stop")
     if action == "restore":
         assert_weights_close(reference_weights(x, y, 2, first=Fragile()), model.get_weights())
+
+
+def test_step_compiled_with_xla_captures_the_batch_and_names_the_layer(tmp_path):
+    # XLA cannot change a variable's shape: the batch is captured outside the compiled step.
+    x, y = data()
+    x[19, 1] = -3.0  # batch 2: log(1 - 3) is NaN
+    x[45, 0] = np.nan  # batch 5, never reached
+    model = build(1, first=Fragile(name="fragile"), jit_compile=True)
+    detector = NaNOnsetDetector(log_dir=tmp_path, action="restore")
+    fit(model, x, y, detector)
+    report = detector.report
+    assert (report["batch"], report["kind"], report["layer"], report["replica"]) == (2, "activations", "fragile", 0)
+    assert model.jit_compile is True and model._xla_step is not None
+    np.testing.assert_array_equal(np.load(tmp_path / "nan_onset_batch.npz")["x"], x[16:24])
+    assert_weights_close(reference_weights(x, y, 2, first=Fragile()), model.get_weights())
 
 
 def test_subclassed_model_names_the_nested_layer():
