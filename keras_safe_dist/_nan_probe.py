@@ -129,7 +129,7 @@ def _base(num_replicas):
 
 def inputs_nonfinite(tensors):
     """Whether a floating input holds a non-finite value (or its sum overflows float32)."""
-    return _nonfinite_groups([_input_terms(tensors)])[0] > 0
+    return _nonfinite_sum([_input_terms(tensors)], [1.0]) > 0
 
 
 def tensor_nonfinite(tensor):
@@ -137,7 +137,7 @@ def tensor_nonfinite(tensor):
 
     The same test as the update's reduced gradient norm.
     """
-    return _nonfinite_groups([_tensor_terms([tensor])])[0] > 0
+    return _nonfinite_sum([_tensor_terms([tensor])], [1.0]) > 0
 
 
 def _input_term(tensor):
@@ -246,12 +246,11 @@ class NaNProbe:
         fired = [tf.cast(loss_numerator, tf.float32)] + inputs
         if self.check_local_gradients:
             fired += _tensor_terms(grads)
-        # replicas * (bit * fired + bit * B * inputs + B**2 * weights), as one dot product.
+        # replicas * (bit * fired + bit * B * inputs + B**2 * weights).
         bit = 2.0 ** self._replica_id() if self.replicas <= MAX_REPLICAS_FOR_MASK else 1.0
         base = float(_base(self.replicas))
-        scales = np.array([bit, bit * base, base**2]) * self.replicas
-        nonfinite = _nonfinite_groups([fired, inputs, weight_terms])
-        logs = {"nonfinite_replicas": tf.reduce_sum(scales * nonfinite)}
+        scales = [self.replicas * bit, self.replicas * bit * base, self.replicas * base**2]
+        logs = {"nonfinite_replicas": _nonfinite_sum([fired, inputs, weight_terms], scales)}
         if "applied_updates" in self.log_names:
             stats = self.model._update_engine.stats
             logs["applied_updates"] = stats[_update._STATS.index("updates_in_epoch")]
@@ -354,19 +353,25 @@ def _tensor_terms(tensors):
     return [_tensor_term(t) for t in values if t.dtype.is_floating]
 
 
-def _nonfinite_groups(groups):
-    """Per group of terms, 1.0 if one is non-finite, else 0.0 (float64): one reduction.
+def _nonfinite_sum(groups, scales):
+    """The sum of `scales[g]` over the groups `g` holding a non-finite term (float64).
 
-    The terms are checked one by one, not summed: large finite terms must not
-    add up to infinity.
+    One `is_finite`, one `where` and one segment reduction for all groups. The
+    terms are checked one by one, not summed: large finite terms must not add
+    up to infinity.
     """
-    terms, ids = [], []
-    for index, group in enumerate(groups):
+    terms, term_scales, ids = [], [], []
+    for index, (group, scale) in enumerate(zip(groups, scales)):
         group = group or [tf.zeros(())]  # an empty group is finite
         terms += group
+        term_scales += [scale] * len(group)
         ids += [index] * len(group)
-    finite = tf.cast(tf.math.is_finite(tf.stack(terms)), tf.float64)
-    return 1.0 - tf.math.unsorted_segment_min(finite, ids, len(groups))
+    flagged = tf.where(
+        tf.math.is_finite(tf.stack(terms)),
+        tf.constant(0.0, tf.float64),
+        tf.constant(term_scales, tf.float64),
+    )
+    return tf.reduce_sum(tf.math.unsorted_segment_max(flagged, ids, len(groups)))
 
 
 def _local(initial, shape=None):
