@@ -172,4 +172,9 @@ def _batch_spec(strategy, value):
     shape = tuple(value.shape)
     if shape:
         shape = (None,) + shape[1:]
-    return keras.KerasTensor(shape, dtype=value.dtype.name)
+    return keras.KerasTensor(
+        shape,
+        dtype=value.dtype.name,
+        sparse=isinstance(value, tf.SparseTensor),
+        ragged=isinstance(value, tf.RaggedTensor),
+    )

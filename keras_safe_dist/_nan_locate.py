@@ -54,7 +54,7 @@ def locate(model, probe, report, step, logged, weights, restore=None):
         shares = {r: share for r, share in shares.items() if r in replicas}
     if not shares:
         report["notes"].append(
-            "The batch could not be captured (non-numeric inputs)."
+            "The batch could not be captured (sparse, ragged or non-numeric inputs)."
             if probe.capture is None
             else "The shares that fired were not captured on this worker."
         )

@@ -216,7 +216,7 @@ class NaNProbe:
 
     @property
     def captures(self):
-        """Whether the step keeps its share of the batch (numeric inputs only)."""
+        """Whether the step keeps its share of the batch (dense numeric inputs only)."""
         return self.capture is not None
 
     def capture_share(self, data):
@@ -334,14 +334,24 @@ def _capture_layout(specs):
         names += [part] if len(flat) == 1 else [f"{part}.{i}" for i in range(len(flat))]
         for s in flat:
             dtype = tf.as_dtype(s.dtype)
-            if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
+            numeric = dtype.is_floating or dtype.is_integer or dtype.is_bool
+            if not numeric or s.sparse or s.ragged:
                 return None, None
     return names, structure
 
 
 def _input_terms(tensors):
-    values = (tf.convert_to_tensor(t) for t in tensors if t is not None)
+    values = (_dense_values(t) for t in tensors if t is not None)
     return [_input_term(t) for t in values if t.dtype.is_floating]
+
+
+def _dense_values(tensor):
+    """The stored values of a sparse or ragged tensor, or the tensor."""
+    if isinstance(tensor, tf.SparseTensor):
+        return tensor.values
+    if isinstance(tensor, tf.RaggedTensor):
+        return tensor.flat_values
+    return tf.convert_to_tensor(tensor)
 
 
 def _tensor_terms(tensors):

@@ -18,8 +18,8 @@ TAG = "nan_onset"
 KINDS = {
     "inputs": (
         "a non-finite value in the inputs (x, y or sample_weight)",
-        "Look for the non-finite values in the saved batch and fix the data pipeline "
-        "that produced them.",
+        "Find the non-finite values in that batch (nan_onset_batch.npz when it was "
+        "captured and log_dir is set) and fix the data pipeline that produced them.",
     ),
     "loss": (
         "a non-finite loss from finite inputs and finite layer outputs",

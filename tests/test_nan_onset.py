@@ -156,6 +156,34 @@ def test_step_compiled_with_xla_captures_the_batch_and_names_the_layer(tmp_path)
     assert_weights_close(reference_weights(x, y, 2, first=Fragile()), model.get_weights())
 
 
+@pytest.mark.parametrize("layout", ["sparse", "ragged"])
+def test_sparse_and_ragged_inputs_are_checked_but_not_captured(replicas, layout, tmp_path):
+    rng = np.random.default_rng(0)
+    dense = (rng.normal(size=(64, 6)) * (rng.random((64, 6)) < 0.5)).astype("float32")
+    dense[37, 2] = np.nan  # batch 4, row 5: the second replica's share with 2 replicas
+    y = rng.normal(size=(64, 1)).astype("float32")
+    with strategy_for(replicas).scope():
+        keras.utils.set_random_seed(1)
+        if layout == "sparse":
+            x = tf.sparse.from_dense(dense)
+            inputs = keras.Input((6,), sparse=True)
+            hidden = keras.layers.Dense(3, name="hidden")(inputs)
+        else:
+            x = tf.ragged.stack([tf.constant(row[row != 0]) for row in dense])
+            inputs = keras.Input((None,), ragged=True)
+            hidden = keras.layers.Lambda(lambda t: tf.reduce_sum(t, axis=1, keepdims=True))(inputs)
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1, name="out")(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    detector = NaNOnsetDetector(log_dir=tmp_path)
+    model.fit(dataset, epochs=1, shuffle=False, verbose=0, callbacks=[detector])
+    report = detector.report
+    replica = 1 if replicas == 2 else 0
+    assert (report["batch"], report["kind"], report["replicas"]) == (4, "inputs", [replica])
+    assert "The batch could not be captured (sparse, ragged or non-numeric inputs)." in report["notes"]
+    assert sorted(p.name for p in tmp_path.glob("nan_onset*")) == ["nan_onset.json"]
+
+
 def test_subclassed_model_names_the_nested_layer():
     class Block(keras.layers.Layer):
         def __init__(self, **kwargs):
