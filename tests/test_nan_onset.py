@@ -263,7 +263,10 @@ def test_exploding_learning_rate_restores_last_finite_weights_and_optimizer_stat
     assert len(history["loss"]) == 1
 
 
-def test_overflowing_last_update_of_an_epoch_is_found_at_the_epoch_end():
+def test_overflowing_last_update_of_an_epoch_is_found_at_the_epoch_end(monkeypatch):
+    checks = []
+    check = _nan_probe.WeightCheck.__call__
+    monkeypatch.setattr(_nan_probe.WeightCheck, "__call__", lambda self: checks.append(1) or check(self))
     x, y = data()
     y = y * 100.0
     model = build(2, optimizer=lambda: keras.optimizers.SGD(Exploding(at=7)))
@@ -271,6 +274,7 @@ def test_overflowing_last_update_of_an_epoch_is_found_at_the_epoch_end():
     history = fit(model, x, y, detector, epochs=2).history
     report = detector.report
     assert (report["epoch"], report["batch"], report["step"], report["kind"]) == (0, 7, 7, "weights")
+    assert len(checks) == 1  # one host sync: the report reuses the epoch-end check
     assert report["restored_to"] == "before this batch" and len(history["loss"]) == 1
     assert_weights_close(reference_weights(x, y, 7), model.get_weights())
     assert int(model.optimizer.iterations.numpy()) == 7

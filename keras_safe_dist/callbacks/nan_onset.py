@@ -212,12 +212,13 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         # last update (and the flush of a partial accumulation group) is
         # checked here, once, before the next epoch or the end of training.
         if self.report is None and self._last_batch is not None:
-            if self._nonfinite_weights():
-                self._onset(None, {"loss": False, "grad_norm": False})
+            weights = self._nonfinite_weights()
+            if weights:
+                self._onset(None, {"loss": False, "grad_norm": False}, weights=weights)
 
     # Onset.
 
-    def _onset(self, step, logged, previous=False):
+    def _onset(self, step, logged, previous=False, weights=None):
         """Builds, writes and acts on the report.
 
         Args:
@@ -225,6 +226,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             logged: whether its logged loss and grad norm are non-finite.
             previous: the weights were non-finite when the last step began:
                 report the step before it, and restore from before that one.
+            weights: paths of the non-finite weights, when already checked.
         """
         model = self.model
         history = list(self._recent)
@@ -247,7 +249,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             "notes": [],
             "files": {},
         }
-        weights = self._nonfinite_weights()
+        if weights is None:
+            weights = self._nonfinite_weights()
         shares = {}
         if self._full:
             restore = self._probe.restore if self.action == "restore" else None
