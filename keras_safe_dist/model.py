@@ -253,7 +253,10 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             return super().make_train_function(force=force)
         # XLA cannot assign a batch of another shape to the capture variables:
         # compile the step with XLA on its own and capture the batch around it.
-        self._xla_step = tf.function(self._step, jit_compile=True, reduce_retracing=True)
+        # Held in a plain function: SavedModel exports a model's tf.function
+        # attributes, and cannot export a train step.
+        xla_step = tf.function(self._step, jit_compile=True, reduce_retracing=True)
+        self._xla_step = lambda data: xla_step(data)
         self.jit_compile = False
         try:
             return super().make_train_function(force=force)

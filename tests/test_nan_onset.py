@@ -154,6 +154,13 @@ def test_step_compiled_with_xla_captures_the_batch_and_names_the_layer(tmp_path)
     assert model.jit_compile is True and model._xla_step is not None
     np.testing.assert_array_equal(np.load(tmp_path / "nan_onset_batch.npz")["x"], x[16:24])
     assert_weights_close(reference_weights(x, y, 2, first=Fragile()), model.get_weights())
+    # The compiled step stays out of a SavedModel.
+    tf.saved_model.save(model, str(tmp_path / "saved"))
+    saved = tf.saved_model.load(str(tmp_path / "saved"))
+    outputs = saved.signatures["serving_default"](tf.constant(x[:2]))
+    np.testing.assert_allclose(
+        next(iter(outputs.values())).numpy(), model.predict(x[:2], verbose=0), rtol=TOLERANCE
+    )
 
 
 @pytest.mark.parametrize("layout", ["sparse", "ragged"])
