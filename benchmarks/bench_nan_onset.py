@@ -1,14 +1,15 @@
 """Step time of `SafeDistributedModel` with and without `NaNOnsetDetector`, and under
 `tf.debugging.enable_check_numerics`, on the same MLP while training is healthy.
 
-Two models: a small MLP (32-256-256-10, about 2 ms per step on 2 CPU cores), where
-the detector's fixed per-step cost weighs most, and a medium MLP
-(256-1024-1024-10). In this process, fit() calls without the detector (twice, with
-two traces of the same step, "none" and "none, second trace", whose ratio
-shows the noise floor), with `NaNOnsetDetector()` ("stop") and with
+Two models: a small MLP (32-256-256-10, about 1.6 ms per step on 2 CPU cores),
+where the detector's fixed per-step cost weighs most, and a medium MLP
+(256-1024-1024-10). Each runs on one device, on one device with
+`jit_compile=True` (XLA), and on two replicas (two logical CPUs under one
+`MirroredStrategy`). In this process, fit() calls without the detector (twice,
+with two traces of the same step, "none" and "none, second trace", whose
+ratio shows the noise floor), with `NaNOnsetDetector()` ("stop") and with
 `NaNOnsetDetector(action="restore")` alternate (rotating which goes first),
-after a warm-up call of each, all on the same model, on one device and on two replicas (two logical
-CPUs under one `MirroredStrategy`). The "fit" rows give median seconds per
+after a warm-up call of each, all on the same model. The "fit" rows give median seconds per
 epoch and ratios to "none". The "steps" rows then time, the same way, only
 what fit() runs for each batch (the train function, the logs turned into
 Python numbers, the detector's batch-end hook) over one epoch's worth of
@@ -57,7 +58,7 @@ CONFIGS = {
 }
 
 
-def _model(strategy, features, width):
+def _model(strategy, features, width, jit_compile=False):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((features,))
@@ -67,7 +68,7 @@ def _model(strategy, features, width):
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=False,
+            jit_compile=jit_compile,
         )
     return model
 
@@ -94,9 +95,14 @@ def bench_detector(repeats, scale, models):
         features, width, samples = MODELS[model_name]
         samples = samples // scale
         dataset = _dataset(samples, features)
-        for setting, strategy in (("1 device", tf.distribute.get_strategy()), ("2 replicas", mirrored)):
+        settings = (
+            ("1 device", tf.distribute.get_strategy(), False),
+            ("1 device, XLA", tf.distribute.get_strategy(), True),
+            ("2 replicas", mirrored, False),
+        )
+        for setting, strategy, jit_compile in settings:
             fit_rows, step_rows = _bench_setting(
-                repeats, strategy, dataset, samples, features, width
+                repeats, strategy, dataset, samples, features, width, jit_compile
             )
             results[f"{model_name}, {setting}, fit"] = fit_rows
             results[f"{model_name}, {setting}, steps"] = step_rows
@@ -108,12 +114,12 @@ def bench_detector(repeats, scale, models):
 # measured. fit() builds a new train function when the detector's request
 # changes, so each configuration's train function, update engine and probe are
 # kept after its warm-up and put back before each of its timed calls.
-_STEP_STATE = ("train_function", "_update_engine", "_nan_probe")
+_STEP_STATE = ("train_function", "_update_engine", "_nan_probe", "_xla_step")
 
 
-def _bench_setting(repeats, strategy, dataset, samples, features, width):
+def _bench_setting(repeats, strategy, dataset, samples, features, width, jit_compile):
     """`(fit rows, step rows)`: whole fit() calls, then the train steps alone."""
-    model = _model(strategy, features, width)
+    model = _model(strategy, features, width, jit_compile)
     states = {}
     for name in CONFIGS:
         model.train_function = None  # a fresh trace for each configuration
