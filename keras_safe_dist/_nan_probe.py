@@ -35,8 +35,10 @@ share of the batch to replica-local variables each step (TensorFlow shares
 the batch's buffer; nothing is copied), so after the step that fired the
 detector holds that batch and can replay it. XLA cannot change a variable's
 shape, so with `jit_compile=True` the model compiles the rest of the step
-with XLA on its own and assigns the batch outside it. What fired is worked
-out on the host then, from the flags, the weights and the replay. For
+with XLA on its own and assigns the batch, takes the weights' terms and
+copies the weights outside it (beside it, with shared buffers), adding the
+weights' flag to the entry after it. What fired is worked out on the host
+then, from the flags, the weights and the replay. For
 `action="restore"` every step also assigns the weights and the optimizer state
 to replica-local variables before the forward pass, keeping the previous
 step's too (a weight check at a step's start speaks of the update before it);
@@ -205,7 +207,8 @@ class NaNProbe:
 
         A worker's replicas hold identical copies of the weights, so only its
         first replica checks them. With `action="restore"`, also copies the
-        weights and optimizer state.
+        weights and optimizer state. Called outside an XLA-compiled step, where
+        the copies share buffers and the check runs beside the step.
         """
         for previous, current, variable in zip(self.previous, self.current, self.sources):
             previous.assign(current, read_value=False)
@@ -214,16 +217,12 @@ class NaNProbe:
             return []
         return _tensor_terms(self.model.trainable_weights)
 
-    @property
-    def captures(self):
-        """Whether the step keeps its share of the batch (dense numeric inputs only)."""
-        return self.capture is not None
-
     def capture_share(self, data):
         """Assigns this replica's share of the batch to the capture variables.
 
         TensorFlow shares the batch's buffer: nothing is copied. Called outside
-        an XLA-compiled step, which cannot change a variable's shape.
+        an XLA-compiled step, which cannot change a variable's shape. A no-op
+        for sparse, ragged or non-numeric inputs.
         """
         if self.capture is None:
             return
@@ -246,15 +245,25 @@ class NaNProbe:
         fired = [tf.cast(loss_numerator, tf.float32)] + inputs
         if self.check_local_gradients:
             fired += _tensor_terms(grads)
-        # replicas * (bit * fired + bit * B * inputs + B**2 * weights).
-        bit = 2.0 ** self._replica_id() if self.replicas <= MAX_REPLICAS_FOR_MASK else 1.0
-        base = float(_base(self.replicas))
-        scales = [self.replicas * bit, self.replicas * bit * base, self.replicas * base**2]
-        logs = {"nonfinite_replicas": _nonfinite_sum([fired, inputs, weight_terms], scales)}
+        groups = [fired, inputs, weight_terms]
+        logs = {"nonfinite_replicas": _nonfinite_sum(groups, self._scales())}
         if "applied_updates" in self.log_names:
             stats = self.model._update_engine.stats
             logs["applied_updates"] = stats[_update._STATS.index("updates_in_epoch")]
         return logs
+
+    def with_weight_flags(self, logs, weight_terms):
+        """`logs` of a step that did not check the weights, with their flag added."""
+        logs = dict(logs)
+        flag = _nonfinite_sum([weight_terms], self._scales()[2:])
+        logs["nonfinite_replicas"] = logs["nonfinite_replicas"] + flag
+        return logs
+
+    def _scales(self):
+        """The entry's field scales: `replicas * (bit, bit * B, B**2)`."""
+        bit = 2.0 ** self._replica_id() if self.replicas <= MAX_REPLICAS_FOR_MASK else 1.0
+        base = float(_base(self.replicas))
+        return [self.replicas * bit, self.replicas * bit * base, self.replicas * base**2]
 
     def _replica_id(self):
         """This replica's id in the sync group, a Python int (static under tf.distribute)."""

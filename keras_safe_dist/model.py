@@ -249,12 +249,14 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                 self, self._nan_probe_request, _compat.train_data_specs(self)
             )
         self._xla_step = None
-        if self._nan_probe is None or not self._nan_probe.captures or not self.jit_compile:
+        if self._nan_probe is None or not self.jit_compile:
             return super().make_train_function(force=force)
-        # XLA cannot assign a batch of another shape to the capture variables:
-        # compile the step with XLA on its own and capture the batch around it.
-        # Held in a plain function: SavedModel exports a model's tf.function
-        # attributes, and cannot export a train step.
+        # XLA cannot assign a batch of another shape to the capture variables,
+        # copies the weights where a plain step shares their buffers, and runs
+        # the weight check in line: compile the step with XLA on its own, and
+        # capture, copy and check around it. Held in a plain function:
+        # SavedModel exports a model's tf.function attributes, and cannot
+        # export a train step.
         xla_step = tf.function(self._step, jit_compile=True, reduce_retracing=True)
         self._xla_step = lambda data: xla_step(data)
         self.jit_compile = False
@@ -264,14 +266,18 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             self.jit_compile = True
 
     def train_step(self, data):
-        if self._nan_probe is not None:
-            self._nan_probe.capture_share(data)
-        return (self._xla_step or self._step)(data)
+        probe = self._nan_probe
+        if probe is None:
+            return self._step(data)
+        probe.capture_share(data)
+        weight_terms = probe.begin_step()
+        if self._xla_step is None:
+            return self._step(data, weight_terms)
+        return probe.with_weight_flags(self._xla_step(data), weight_terms)
 
-    def _step(self, data):
+    def _step(self, data, weight_terms=()):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         probe = self._nan_probe
-        weight_terms = probe.begin_step() if probe is not None else None
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
