@@ -111,7 +111,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         # Set by fit() from a NaNOnsetDetector among the callbacks.
         self._nan_probe_request = None
         self._nan_probe = None
-        # The step compiled with XLA on its own, when the batch is captured outside it.
+        # The step compiled with XLA on its own, when NaN checks run around it.
         self._xla_step = None
 
     def get_config(self):
