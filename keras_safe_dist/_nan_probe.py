@@ -238,7 +238,8 @@ class NaNProbe:
             data: `(x, y, sample_weight)` of this replica's share.
             loss_numerator: its micro-batch loss numerator.
             grads: its local gradients.
-            weight_terms: what `begin_step` returned.
+            weight_terms: what `begin_step` returned, or () when the weights'
+                flag is added after the step (`with_weight_flags`).
         """
         flat = keras.tree.flatten(data)
         inputs = _input_terms(flat)
