@@ -1,5 +1,6 @@
 """Shared TensorFlow start-up: two logical CPU devices and one MirroredStrategy."""
 
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -14,6 +15,15 @@ tf.config.set_logical_device_configuration(
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# `fit()` leaves reference cycles that hold tf.data iterators. When the
+# collector frees one long after its test, the iterator's destructor waits for
+# its background threads: 25 s to 2 min at random points of the suite. So each
+# test's garbage is collected when it ends, and what survives is frozen (every
+# `fit()` keeps some graph objects alive, and a collection scans everything not
+# frozen): each collection then takes milliseconds.
+gc.collect()
+gc.freeze()
 
 _MIRRORED = None
 
@@ -43,6 +53,13 @@ def replicas(request):
 def _float32_policy():
     yield
     keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage():
+    yield
+    gc.collect()
+    gc.freeze()
 
 
 def regression_data(samples, features=4, outputs=1, seed=0):
