@@ -25,6 +25,8 @@ Usage:
 """
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -80,11 +82,30 @@ def _dataset(samples, features):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
 
+@contextlib.contextmanager
+def _no_collection():
+    """No garbage collection inside a timed region.
+
+    `fit()` leaves reference cycles holding tf.data iterators, and freeing an
+    old one waits for its background threads (seconds, up to a minute): the
+    garbage of earlier runs is collected before the timer starts, with the
+    survivors frozen so that collections stay short.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _timed_epoch(model, dataset, callbacks):
     """Seconds per epoch, averaged over one fit() of a few epochs."""
-    start = time.perf_counter()
-    model.fit(dataset, epochs=EPOCHS_PER_TIMING, verbose=0, shuffle=False, callbacks=callbacks)
-    return (time.perf_counter() - start) / EPOCHS_PER_TIMING
+    with _no_collection():
+        start = time.perf_counter()
+        model.fit(dataset, epochs=EPOCHS_PER_TIMING, verbose=0, shuffle=False, callbacks=callbacks)
+        return (time.perf_counter() - start) / EPOCHS_PER_TIMING
 
 
 def bench_detector(repeats, scale, models):
@@ -157,12 +178,13 @@ def _timed_steps(model, iterator, callbacks, steps):
     for callback in callbacks:
         callback.set_model(model)
         callback.on_train_begin()
-    start = time.perf_counter()
-    for batch in range(steps):
-        logs = {name: float(value) for name, value in model.train_function(iterator).items()}
-        for callback in callbacks:
-            callback.on_train_batch_end(batch, logs)
-    return (time.perf_counter() - start) / steps
+    with _no_collection():
+        start = time.perf_counter()
+        for batch in range(steps):
+            logs = {name: float(value) for name, value in model.train_function(iterator).items()}
+            for callback in callbacks:
+                callback.on_train_batch_end(batch, logs)
+        return (time.perf_counter() - start) / steps
 
 
 def _summary(times, steps, unit):

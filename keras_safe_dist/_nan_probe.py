@@ -69,6 +69,7 @@ LOG_NAMES = ("nonfinite_replicas", "applied_updates")
 MAX_REPLICAS_FOR_MASK = 16
 # With B = replicas + 1 the scaled entry stays below B**4, exact in float64 up to 2**53.
 MAX_REPLICAS = 8191
+_WEIGHT_CHECK_ATTRIBUTE = "_safe_dist_weight_check"
 _ON_READ = tf.VariableSynchronization.ON_READ
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
@@ -316,6 +317,22 @@ class WeightCheck:
     def __init__(self, variables):
         self.variables = [v for v in variables if tf.as_dtype(v.dtype).is_floating]
         self.function = tf.function(lambda: tf.stack(_tensor_terms(self.variables)))
+
+    @classmethod
+    def of(cls, model):
+        """The check of `model`'s trainable weights, kept on the model.
+
+        Tracing the check takes tens of milliseconds: kept, it is traced once
+        per model (again when its trainable weights change), not once per
+        `fit()` or per detector.
+        """
+        variables = [v for v in model.trainable_weights if tf.as_dtype(v.dtype).is_floating]
+        check = model.__dict__.get(_WEIGHT_CHECK_ATTRIBUTE)
+        if check is None or [id(v) for v in check.variables] != [id(v) for v in variables]:
+            check = cls(variables)
+            # Stored past Keras's attribute tracking, which would track the function.
+            model.__dict__[_WEIGHT_CHECK_ATTRIBUTE] = check
+        return check
 
     def __call__(self):
         """Paths of the variables holding a non-finite value, in order."""

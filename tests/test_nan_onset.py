@@ -287,6 +287,20 @@ def test_overflowing_last_update_of_an_epoch_is_found_at_the_epoch_end(monkeypat
     assert int(model.optimizer.iterations.numpy()) == 7
 
 
+@pytest.mark.parametrize("model_class", [SafeDistributedModel, keras.Model], ids=["safe", "plain"])
+def test_epoch_end_weight_check_is_traced_once_per_model_across_fits(model_class):
+    x, y = data()
+    model = build(1, model_class=model_class)
+    fit(model, x, y, NaNOnsetDetector())
+    check = _nan_probe.WeightCheck.of(model)
+    fit(model, x, y, NaNOnsetDetector(), epochs=2)  # a new detector, a new fit()
+    assert _nan_probe.WeightCheck.of(model) is check
+    assert check.function.experimental_get_tracing_count() == 1
+    model.get_layer("out").trainable = False
+    frozen = _nan_probe.WeightCheck.of(model)
+    assert [v.path for v in frozen.variables] == ["hidden/kernel", "hidden/bias"]
+
+
 def test_mixed_precision_ignores_loss_scale_overflows_and_finds_nan_inputs():
     keras.config.set_dtype_policy("mixed_float16")
     x, y = data()

@@ -160,7 +160,6 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._skipped_seen = 0
         self._applied_seen = 0
         self._plain_snapshots = None
-        self._weight_check = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -327,9 +326,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                     )
 
     def _nonfinite_weights(self):
-        if self._weight_check is None:
-            self._weight_check = _nan_probe.WeightCheck(self.model.trainable_weights)
-        return self._weight_check()
+        return _nan_probe.WeightCheck.of(self.model)()
 
     def _updates_in_epoch(self):
         stats = self.model._update_engine.stats.numpy()
