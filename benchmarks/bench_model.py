@@ -35,6 +35,8 @@ import keras  # noqa: E402
 
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
 
+from _timing import no_collection  # noqa: E402
+
 MIB = 2**20
 MEMORY_CONFIGS = {
     # name: (batch size as a multiple of m, gradient_accumulation_steps or None)
@@ -78,9 +80,10 @@ EPOCHS_PER_TIMING = 3
 
 def _timed_epoch(model, dataset):
     """Seconds per epoch, averaged over one fit() of a few epochs."""
-    start = time.perf_counter()
-    model.fit(dataset, epochs=EPOCHS_PER_TIMING, verbose=0, shuffle=False)
-    return (time.perf_counter() - start) / EPOCHS_PER_TIMING
+    with no_collection():
+        start = time.perf_counter()
+        model.fit(dataset, epochs=EPOCHS_PER_TIMING, verbose=0, shuffle=False)
+        return (time.perf_counter() - start) / EPOCHS_PER_TIMING
 
 
 def bench_speed(repeats, quick):
