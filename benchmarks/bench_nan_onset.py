@@ -25,8 +25,6 @@ Usage:
 """
 
 import argparse
-import contextlib
-import gc
 import json
 import os
 import statistics
@@ -45,6 +43,8 @@ import keras  # noqa: E402
 
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
 from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
+
+from _timing import no_collection  # noqa: E402
 
 # name: (input features, hidden width, samples)
 MODELS = {"small MLP": (32, 256, 8192), "medium MLP": (256, 1024, 4096)}
@@ -82,27 +82,9 @@ def _dataset(samples, features):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
 
-@contextlib.contextmanager
-def _no_collection():
-    """No garbage collection inside a timed region.
-
-    `fit()` leaves reference cycles holding tf.data iterators, and freeing an
-    old one waits for its background threads (seconds, up to a minute): the
-    garbage of earlier runs is collected before the timer starts, with the
-    survivors frozen so that collections stay short.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def _timed_epoch(model, dataset, callbacks):
     """Seconds per epoch, averaged over one fit() of a few epochs."""
-    with _no_collection():
+    with no_collection():
         start = time.perf_counter()
         model.fit(dataset, epochs=EPOCHS_PER_TIMING, verbose=0, shuffle=False, callbacks=callbacks)
         return (time.perf_counter() - start) / EPOCHS_PER_TIMING
@@ -178,7 +160,7 @@ def _timed_steps(model, iterator, callbacks, steps):
     for callback in callbacks:
         callback.set_model(model)
         callback.on_train_begin()
-    with _no_collection():
+    with no_collection():
         start = time.perf_counter()
         for batch in range(steps):
             logs = {name: float(value) for name, value in model.train_function(iterator).items()}
