@@ -330,7 +330,7 @@ class WeightCheck:
         check = model.__dict__.get(_WEIGHT_CHECK_ATTRIBUTE)
         if check is None or [id(v) for v in check.variables] != [id(v) for v in variables]:
             check = cls(variables)
-            # Stored past Keras's attribute tracking, which would track the function.
+            # Stored past Keras's attribute tracking: not part of the model's state.
             model.__dict__[_WEIGHT_CHECK_ATTRIBUTE] = check
         return check
 
