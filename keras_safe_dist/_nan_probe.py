@@ -315,7 +315,7 @@ class WeightCheck:
     """
 
     def __init__(self, variables):
-        self.variables = [v for v in variables if tf.as_dtype(v.dtype).is_floating]
+        self.variables = _floating(variables)
         self.function = tf.function(lambda: tf.stack(_tensor_terms(self.variables)))
 
     @classmethod
@@ -326,7 +326,7 @@ class WeightCheck:
         per model (again when its trainable weights change), not once per
         `fit()` or per detector.
         """
-        variables = [v for v in model.trainable_weights if tf.as_dtype(v.dtype).is_floating]
+        variables = _floating(model.trainable_weights)
         check = model.__dict__.get(_WEIGHT_CHECK_ATTRIBUTE)
         if check is None or [id(v) for v in check.variables] != [id(v) for v in variables]:
             check = cls(variables)
@@ -340,6 +340,10 @@ class WeightCheck:
             return []
         terms = self.function().numpy()
         return [v.path for v, term in zip(self.variables, terms) if not np.isfinite(term)]
+
+
+def _floating(variables):
+    return [v for v in variables if tf.as_dtype(v.dtype).is_floating]
 
 
 def _local_replicas(strategy):
