@@ -8,24 +8,29 @@ per trainable weight, which checks the weights the previous update produced
 worker's replicas hold identical copies). After it, every replica adds one
 `reduce_sum` per floating input (`x`, `y`, `sample_weight` of its share), its
 micro-batch loss and, with gradient accumulation, one `l2_loss` per local
-gradient (to name the micro-batch). One `is_finite` on the stacked terms and
-one segment reduction give the three flags: a term is non-finite when its
-tensor holds a NaN or an infinity, or its sum overflows float32. The update's
+gradient (to name the micro-batch). Each of the three flags is one float32
+total of its terms, checked with one `is_finite`: a flag is raised when one of
+its tensors holds a NaN or an infinity, or when a sum overflows float32 (a
+tensor's, or the flag's total of them). The arithmetic uses only kernels the
+train step already runs: a kernel the step runs nowhere else costs far more
+than its arithmetic (on a CPU, a `where` and a segment reduction took 20 to 30
+microseconds a step, mostly cold code). The update's
 reduced gradient norm is checked on the host from the step's `grad_norm` log;
 the last update of an epoch (and the epoch-end flush of a partial
 accumulation group) is checked by the detector at the epoch end, with
 `WeightCheck`.
 
-The flags leave the step as one float64 log entry, which Keras MEAN-reduces
-across replicas; each replica scales its entry by the number of replicas
-first, so the reduced value is an exact sum:
+The flags leave the step as one log entry, which Keras MEAN-reduces across
+replicas; each replica scales its entry by the number of replicas first, so
+the reduced value is an exact sum:
 
 - `nonfinite_replicas`: `fired + B * inputs + B**2 * weights`. With up to 16
-  replicas, `B = 2**16`, `fired` is the bitmask of the replicas that fired
-  (sum over replicas r of `2**r`) and `inputs` the bitmask of those whose
-  share of the inputs is non-finite; with more, `B` is the number of replicas
-  plus one and both are counts of replicas. `weights` is the number of
-  workers whose weights were non-finite when the step began.
+  replicas, `B = 2**replicas`, `fired` is the bitmask of the replicas that
+  fired (sum over replicas r of `2**r`) and `inputs` the bitmask of those
+  whose share of the inputs is non-finite; with more, `B` is the number of
+  replicas plus one and both are counts of replicas. `weights` is the number
+  of workers whose weights were non-finite when the step began. The entry is
+  float32 (exact) up to 4 replicas, float64 beyond.
 - `applied_updates` (for `action="continue"` only): updates applied so far
   this epoch.
 
@@ -69,6 +74,9 @@ LOG_NAMES = ("nonfinite_replicas", "applied_updates")
 MAX_REPLICAS_FOR_MASK = 16
 # With B = replicas + 1 the scaled entry stays below B**4, exact in float64 up to 2**53.
 MAX_REPLICAS = 8191
+# Up to here the scaled entry stays below 2**14: exact in float32, even after a
+# mean that multiplies by a rounded 1 / replicas.
+MAX_REPLICAS_FOR_FLOAT32 = 4
 _WEIGHT_CHECK_ATTRIBUTE = "_safe_dist_weight_check"
 _ON_READ = tf.VariableSynchronization.ON_READ
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
@@ -124,7 +132,12 @@ def decode(logs, num_replicas):
 
 
 def _base(num_replicas):
-    return 2**MAX_REPLICAS_FOR_MASK if num_replicas <= MAX_REPLICAS_FOR_MASK else num_replicas + 1
+    return 2**num_replicas if num_replicas <= MAX_REPLICAS_FOR_MASK else num_replicas + 1
+
+
+def entry_dtype(num_replicas):
+    """The dtype of the `nonfinite_replicas` entry: float32 while it is exact."""
+    return tf.float32 if num_replicas <= MAX_REPLICAS_FOR_FLOAT32 else tf.float64
 
 
 # The checks, the same in-graph and on the host.
@@ -132,7 +145,7 @@ def _base(num_replicas):
 
 def inputs_nonfinite(tensors):
     """Whether a floating input holds a non-finite value (or its sum overflows float32)."""
-    return _nonfinite_sum([_input_terms(tensors)], [1.0]) > 0
+    return _nonfinite_sum([_input_terms(tensors)], [1.0], tf.float32) > 0
 
 
 def tensor_nonfinite(tensor):
@@ -140,7 +153,7 @@ def tensor_nonfinite(tensor):
 
     The same test as the update's reduced gradient norm.
     """
-    return _nonfinite_sum([_tensor_terms([tensor])], [1.0]) > 0
+    return _nonfinite_sum([_tensor_terms([tensor])], [1.0], tf.float32) > 0
 
 
 def _input_term(tensor):
@@ -168,6 +181,7 @@ class NaNProbe:
         self.request = request
         self.strategy = model.distribute_strategy
         self.replicas = self.strategy.num_replicas_in_sync
+        self.dtype = entry_dtype(self.replicas)
         if self.replicas > MAX_REPLICAS:
             raise ValueError(
                 f"NaNOnsetDetector's in-step checks support up to {MAX_REPLICAS} replicas in "
@@ -203,34 +217,39 @@ class NaNProbe:
 
     # In-graph, replica context.
 
-    def begin_step(self):
-        """Before the forward pass: the weights' terms (reads before the update).
+    def begin_step(self, data):
+        """Before the forward pass: captures the batch, returns the weights' terms.
 
-        A worker's replicas hold identical copies of the weights, so only its
-        first replica checks them. With `action="restore"`, also copies the
-        weights and optimizer state. Called outside an XLA-compiled step, where
-        the copies share buffers and the check runs beside the step.
+        Assigns this replica's share of the batch to the capture variables
+        (TensorFlow shares the batch's buffer: nothing is copied; a no-op for
+        sparse, ragged or non-numeric inputs). Then takes the weights' terms,
+        reading the weights before the update. A worker's replicas hold
+        identical copies of the weights, so only its first replica checks
+        them. With `action="restore"`, also copies the weights and optimizer
+        state.
+
+        These small ops run one after another (control dependencies), so that
+        TensorFlow's executor runs them as one task instead of dispatching each
+        read and assignment to its thread pool: on a CPU that dispatch costs
+        more than the ops. Called outside an XLA-compiled step, which cannot
+        change a variable's shape; there the copies share buffers and the
+        check runs beside the step.
         """
+        chain = _Chain()
+        if self.capture is not None:
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            for variable, value in zip(self.capture, keras.tree.flatten((x, y, sample_weight))):
+                if variable is not None:
+                    chain.add(lambda v=variable, t=value: v.assign(t, read_value=False))
         for previous, current, variable in zip(self.previous, self.current, self.sources):
-            previous.assign(current, read_value=False)
-            current.assign(variable, read_value=False)
+            chain.add(lambda p=previous, c=current: p.assign(c, read_value=False))
+            chain.add(lambda c=current, v=variable: c.assign(v, read_value=False))
         if self._replica_id() % self.local_replicas:
             return []
-        return _tensor_terms(self.model.trainable_weights)
-
-    def capture_share(self, data):
-        """Assigns this replica's share of the batch to the capture variables.
-
-        TensorFlow shares the batch's buffer: nothing is copied. Called outside
-        an XLA-compiled step, which cannot change a variable's shape. A no-op
-        for sparse, ragged or non-numeric inputs.
-        """
-        if self.capture is None:
-            return
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        for variable, value in zip(self.capture, keras.tree.flatten((x, y, sample_weight))):
-            if variable is not None:
-                variable.assign(value, read_value=False)
+        return [
+            chain.add(lambda v=v: _tensor_term(tf.convert_to_tensor(v)))
+            for v in _floating(self.model.trainable_weights)
+        ]
 
     def logs(self, data, loss_numerator, grads, weight_terms):
         """After the update: the flags as log entries.
@@ -248,7 +267,7 @@ class NaNProbe:
         if self.check_local_gradients:
             fired += _tensor_terms(grads)
         groups = [fired, inputs, weight_terms]
-        logs = {"nonfinite_replicas": _nonfinite_sum(groups, self._scales())}
+        logs = {"nonfinite_replicas": _nonfinite_sum(groups, self._scales(), self.dtype)}
         if "applied_updates" in self.log_names:
             stats = self.model._update_engine.stats
             logs["applied_updates"] = stats[_update._STATS.index("updates_in_epoch")]
@@ -257,7 +276,7 @@ class NaNProbe:
     def with_weight_flags(self, logs, weight_terms):
         """`logs` of a step that did not check the weights, with their flag added."""
         logs = dict(logs)
-        flag = _nonfinite_sum([weight_terms], self._scales()[2:])
+        flag = _nonfinite_sum([weight_terms], self._scales()[2:], self.dtype)
         logs["nonfinite_replicas"] = logs["nonfinite_replicas"] + flag
         return logs
 
@@ -346,6 +365,19 @@ def _floating(variables):
     return [v for v in variables if tf.as_dtype(v.dtype).is_floating]
 
 
+class _Chain:
+    """Builds ops that run one after another, each after the previous one."""
+
+    def __init__(self):
+        self.last = None
+
+    def add(self, build):
+        """Builds `build()` after the last op added; returns what it returned."""
+        with tf.control_dependencies([] if self.last is None else [self.last]):
+            self.last = build()
+        return self.last
+
+
 def _local_replicas(strategy):
     """Replicas on this worker."""
     try:
@@ -394,25 +426,24 @@ def _tensor_terms(tensors):
     return [_tensor_term(t) for t in values if t.dtype.is_floating]
 
 
-def _nonfinite_sum(groups, scales):
-    """The sum of `scales[g]` over the groups `g` holding a non-finite term (float64).
+def _nonfinite_sum(groups, scales, dtype):
+    """The sum of `scales[g]` over the groups `g` whose float32 total is non-finite.
 
-    One `is_finite`, one `where` and one segment reduction for all groups. The
-    terms are checked one by one, not summed: large finite terms must not add
-    up to infinity.
+    A group's total is non-finite when one of its terms is, or when the sum
+    overflows. One `is_finite` for all groups, then a product with the scales:
+    kernels the train step already runs (`add`, `stack`, `sum`, `cast`, `mul`),
+    no `where` or segment reduction.
     """
-    terms, term_scales, ids = [], [], []
-    for index, (group, scale) in enumerate(zip(groups, scales)):
-        group = group or [tf.zeros(())]  # an empty group is finite
-        terms += group
-        term_scales += [scale] * len(group)
-        ids += [index] * len(group)
-    flagged = tf.where(
-        tf.math.is_finite(tf.stack(terms)),
-        tf.constant(0.0, tf.float64),
-        tf.constant(term_scales, tf.float64),
-    )
-    return tf.reduce_sum(tf.math.unsorted_segment_max(flagged, ids, len(groups)))
+    totals = []
+    for group in groups:
+        if not group:
+            totals.append(tf.zeros(()))  # an empty group is finite
+        elif len(group) <= 2:
+            totals.append(group[0] if len(group) == 1 else group[0] + group[1])
+        else:
+            totals.append(tf.reduce_sum(tf.stack(group)))
+    finite = tf.cast(tf.math.is_finite(tf.stack(totals)), dtype)
+    return sum(scales) - tf.reduce_sum(finite * tf.constant(scales, dtype))
 
 
 def _local(initial, shape=None):

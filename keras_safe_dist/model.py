@@ -269,8 +269,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         probe = self._nan_probe
         if probe is None:
             return self._step(data)
-        probe.capture_share(data)
-        weight_terms = probe.begin_step()
+        weight_terms = probe.begin_step(data)
         if self._xla_step is None:
             return self._step(data, weight_terms)
         return probe.with_weight_flags(self._xla_step(data), weight_terms)

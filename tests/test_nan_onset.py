@@ -433,8 +433,8 @@ def test_plain_keras_model_restore_finds_the_update_that_broke_the_weights(repli
 
 
 def test_probe_flags_decode_both_bitmasks_and_fall_back_to_counts():
-    # Replicas 0 and 3 fired; replica 3's inputs were non-finite.
-    step = _nan_probe.decode({"nonfinite_replicas": float(0b1001 + 2**16 * 0b1000)}, 4)
+    # Replicas 0 and 3 of 4 fired; replica 3's inputs were non-finite. B = 2**4.
+    step = _nan_probe.decode({"nonfinite_replicas": float(0b1001 + 16 * 0b1000)}, 4)
     assert (step.fired, step.replicas, step.inputs, step.input_replicas, step.weights) == (2, (0, 3), 1, (3,), 0)
     # All 16 replicas fired, with non-finite inputs, and began with non-finite weights.
     step = _nan_probe.decode({"nonfinite_replicas": float((2**16 - 1) * (1 + 2**16) + 16 * 2**32)}, 16)
@@ -444,19 +444,30 @@ def test_probe_flags_decode_both_bitmasks_and_fall_back_to_counts():
     assert (step.fired, step.replicas, step.inputs, step.input_replicas, step.weights) == (5, (), 2, (), 32)
 
 
-@pytest.mark.parametrize("num_replicas", [3, 16, 17, 8191])
+@pytest.mark.parametrize("num_replicas", [1, 2, 3, 4, 5, 16, 17, 8191])
 def test_probe_flags_survive_the_mean_reduction_exactly(num_replicas):
-    # Each replica scales its entry by the number of replicas; Keras sums and divides.
+    # Each replica scales its entry by the number of replicas; Keras sums and
+    # divides, in the entry's dtype. Every replica fired with non-finite
+    # inputs (the largest fields), and began with non-finite weights.
+    base = _nan_probe._base(num_replicas)
+    masks = num_replicas <= _nan_probe.MAX_REPLICAS_FOR_MASK
     ids = range(min(num_replicas, 16))
-    entry = _nan_probe._base(num_replicas) ** 2 * num_replicas + sum(2**r if num_replicas <= 16 else 1 for r in ids)
-    per_replica = np.full(num_replicas, 0.0)
-    per_replica[: len(ids)] = [
-        (2.0**r if num_replicas <= 16 else 1.0) + _nan_probe._base(num_replicas) ** 2 for r in ids
-    ]
-    per_replica[len(ids):] = _nan_probe._base(num_replicas) ** 2
-    mean = float(tf.reduce_sum(tf.constant(per_replica * num_replicas, tf.float64)) / num_replicas)
-    step = _nan_probe.decode({"nonfinite_replicas": mean}, num_replicas)
-    assert mean == entry and step.weights == num_replicas and step.fired == len(ids)
+    per_replica = np.full(num_replicas, float(base**2))
+    per_replica[: len(ids)] += [(2.0**r if masks else 1.0) * (1 + base) for r in ids]
+    dtype = _nan_probe.entry_dtype(num_replicas)
+    scaled = tf.constant(per_replica * num_replicas, dtype)
+    for mean in (tf.reduce_sum(scaled) / num_replicas, tf.reduce_sum(scaled) * (1 / num_replicas)):
+        step = _nan_probe.decode({"nonfinite_replicas": float(mean)}, num_replicas)
+        assert step.fired == step.inputs == len(ids) and step.weights == num_replicas
+    assert dtype == (tf.float32 if num_replicas <= 4 else tf.float64)
+
+
+def test_probe_entry_is_exact_sum_of_flagged_groups():
+    # One group per field; a group is flagged by a NaN, an infinity or an overflowing total.
+    groups = [[tf.constant(1.0), tf.constant(np.nan)], [tf.constant(3e38), tf.constant(3e38)], [tf.constant(2.0)]]
+    for dtype in (tf.float32, tf.float64):
+        assert float(_nan_probe._nonfinite_sum(groups, [1.0, 16.0, 256.0], dtype)) == 17.0
+        assert float(_nan_probe._nonfinite_sum([[], [tf.constant(1.0)] * 3], [1.0, 2.0], dtype)) == 0.0
 
 
 def test_checks_count_overflowing_sums_as_nonfinite():
