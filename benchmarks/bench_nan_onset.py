@@ -19,6 +19,11 @@ steps, many more times: the per-batch cost without fit()'s per-epoch work.
 runs in a subprocess: that process times "none" first (its own baseline),
 then enables the checks and times the same model again, on one device.
 
+A second subprocess pins itself to one CPU core before TensorFlow starts and
+times the "steps" rows of each model on one device there ("one core"): without
+a second core to overlap work, and with less scheduling noise, its ratios
+measure the detector's CPU work. The two-core rows are the time a user waits.
+
 Usage:
     PYTHONPATH=. python benchmarks/bench_nan_onset.py [--repeats N] [--quick] [--json]
         [--models "small MLP,medium MLP"]
@@ -32,8 +37,12 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-import tensorflow as tf
+ONE_CORE_FLAG = "--one-core-worker"
+if ONE_CORE_FLAG in sys.argv:  # before TensorFlow sizes its thread pools
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 # Two logical CPUs for the 2-replica runs; must precede any other TF use.
 _CPU = tf.config.list_physical_devices("CPU")[0]
@@ -121,7 +130,10 @@ _STEP_STATE = ("train_function", "_update_engine", "_nan_probe", "_xla_step")
 
 
 def _bench_setting(repeats, strategy, dataset, samples, features, width, jit_compile):
-    """`(fit rows, step rows)`: whole fit() calls, then the train steps alone."""
+    """`(fit rows, step rows)`: whole fit() calls, then the train steps alone.
+
+    With `repeats=0`, only the steps (fit rows None).
+    """
     model = _model(strategy, features, width, jit_compile)
     states = {}
     for name in CONFIGS:
@@ -138,12 +150,13 @@ def _bench_setting(repeats, strategy, dataset, samples, features, width, jit_com
         use(name)
         fit_times[name].append(_timed_epoch(model, dataset, CONFIGS[name]()))
     steps = -(-samples // BATCH)
+    fit_rows = _summary(fit_times, steps, "epoch") if repeats else None
     iterator = iter(strategy.experimental_distribute_dataset(dataset.repeat()))
     step_times = {name: [] for name in CONFIGS}
     for name in _rotations(STEP_REPEATS):
         use(name)
         step_times[name].append(_timed_steps(model, iterator, CONFIGS[name](), steps))
-    return _summary(fit_times, steps, "epoch"), _summary(step_times, 1, "step")
+    return fit_rows, _summary(step_times, 1, "step")
 
 
 def _rotations(repeats):
@@ -218,6 +231,34 @@ def bench_check_numerics(repeats, samples):
     return _summary(times, -(-samples // BATCH), "epoch")
 
 
+def one_core_worker(scale, models):
+    """Runs in a subprocess pinned to one core: the steps rows on one device."""
+    results = {}
+    for model_name in models:
+        features, width, samples = MODELS[model_name]
+        samples = samples // scale
+        _, step_rows = _bench_setting(
+            0, tf.distribute.get_strategy(), _dataset(samples, features), samples, features,
+            width, jit_compile=False,
+        )
+        results[f"{model_name}, 1 device, one core, steps"] = step_rows
+    return results
+
+
+def bench_one_core(scale, models):
+    command = [
+        sys.executable, os.path.abspath(__file__), ONE_CORE_FLAG,
+        "--models", ",".join(models), *(["--quick"] if scale > 1 else []),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"The one-core worker failed with exit code {done.returncode}:\n"
+            f"{done.stderr[-4000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _print_report(report):
     setup = report["setup"]
     print(
@@ -228,6 +269,7 @@ def _print_report(report):
     header = f"{'setting':<40}{'config':<22}{'ms':>10}{'ratio of medians':>18}"
     print(header + f"{'median paired ratio':>21}{'ratio of minimums':>19}{'extra ms/step':>15}")
     sections = dict(report["detector"])
+    sections.update(report["one_core"])
     sections["small MLP, 1 device, own process, fit"] = report["check_numerics"]
     for setting, rows in sections.items():
         for name, row in rows.items():
@@ -248,6 +290,7 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--check-numerics-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(ONE_CORE_FLAG, action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 9)
     scale = 4 if args.quick else 1
@@ -263,10 +306,15 @@ def main(argv=None):
     if args.check_numerics_worker:
         print(json.dumps(check_numerics_worker(repeats, samples)))
         return
+    if args.one_core_worker:
+        print(json.dumps(one_core_worker(scale, models)))
+        return
     report = {
         "setup": {"repeats": repeats, "models": MODELS, "scale": scale, "batch": BATCH},
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
         "detector": bench_detector(repeats, scale, models),
+        # Pinning a process to a core needs os.sched_setaffinity (Linux).
+        "one_core": bench_one_core(scale, models) if hasattr(os, "sched_setaffinity") else {},
         "check_numerics": bench_check_numerics(repeats, samples),
     }
     if args.json:
