@@ -231,7 +231,8 @@ class NaNProbe:
         These small ops run one after another (control dependencies), so that
         TensorFlow's executor runs them as one task instead of dispatching each
         read and assignment to its thread pool: on a CPU that dispatch costs
-        more than the ops. Called outside an XLA-compiled step, which cannot
+        more than the ops. The weights are all read before the first sum. Called
+        outside an XLA-compiled step, which cannot
         change a variable's shape; there the copies share buffers and the
         check runs beside the step.
         """
@@ -246,10 +247,13 @@ class NaNProbe:
             chain.add(lambda c=current, v=variable: c.assign(v, read_value=False))
         if self._replica_id() % self.local_replicas:
             return []
-        return [
-            chain.add(lambda v=v: _tensor_term(tf.convert_to_tensor(v)))
+        # All reads first: the update (an XLA-compiled step too) waits for the
+        # reads of the variables it writes, and must not wait for the sums.
+        reads = [
+            chain.add(lambda v=v: tf.convert_to_tensor(v))
             for v in _floating(self.model.trainable_weights)
         ]
+        return [chain.add(lambda t=t: _tensor_term(t)) for t in reads]
 
     def logs(self, data, loss_numerator, grads, weight_terms):
         """After the update: the flags as log entries.
@@ -438,8 +442,8 @@ def _nonfinite_sum(groups, scales, dtype):
     for group in groups:
         if not group:
             totals.append(tf.zeros(()))  # an empty group is finite
-        elif len(group) <= 2:
-            totals.append(group[0] if len(group) == 1 else group[0] + group[1])
+        elif len(group) <= 2:  # one add is cheaper than a stack and a sum
+            totals.append(sum(group[1:], group[0]))
         else:
             totals.append(tf.reduce_sum(tf.stack(group)))
     finite = tf.cast(tf.math.is_finite(tf.stack(totals)), dtype)
