@@ -1,7 +1,11 @@
-"""What the benchmarks share: timed regions free of garbage collection."""
+"""What the benchmarks share: timed regions free of garbage collection, and
+workers in subprocesses."""
 
 import contextlib
 import gc
+import json
+import subprocess
+import sys
 
 
 @contextlib.contextmanager
@@ -20,3 +24,19 @@ def no_collection():
         yield
     finally:
         gc.enable()
+
+
+def run_worker(script, arguments, what):
+    """Runs `script` with `arguments` in a new Python process; returns the JSON
+    it prints on its last line of output.
+
+    Raises:
+        RuntimeError: when the worker fails, with the end of its stderr.
+    """
+    command = [sys.executable, script, *arguments]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"The {what} worker failed with exit code {done.returncode}:\n{done.stderr[-4000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])

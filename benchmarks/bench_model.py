@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -36,6 +34,7 @@ import keras  # noqa: E402
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
 
 from _timing import no_collection  # noqa: E402
+from _timing import run_worker  # noqa: E402
 
 MIB = 2**20
 MEMORY_CONFIGS = {
@@ -180,23 +179,12 @@ def memory_worker(config, micro_batch, samples):
 
 
 def _run_worker(config, micro_batch, samples):
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--memory-worker",
-        config,
-        "--memory-batch",
-        str(micro_batch),
-        "--memory-samples",
-        str(samples),
+    arguments = [
+        "--memory-worker", config,
+        "--memory-batch", str(micro_batch),
+        "--memory-samples", str(samples),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"Memory worker for {config} failed with exit code "
-            f"{done.returncode}:\n{done.stderr[-4000:]}"
-        )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_worker(os.path.abspath(__file__), arguments, f"memory ({config})")
 
 
 def bench_memory(micro_batch, samples, runs):

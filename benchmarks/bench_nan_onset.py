@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -54,6 +53,7 @@ from keras_safe_dist import SafeDistributedModel  # noqa: E402
 from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
 
 from _timing import no_collection  # noqa: E402
+from _timing import run_worker  # noqa: E402
 
 # name: (input features, hidden width, samples)
 MODELS = {"small MLP": (32, 256, 8192), "medium MLP": (256, 1024, 4096)}
@@ -217,17 +217,8 @@ def check_numerics_worker(repeats, samples):
 
 
 def bench_check_numerics(repeats, samples):
-    command = [
-        sys.executable, os.path.abspath(__file__), "--check-numerics-worker",
-        "--repeats", str(repeats), "--samples", str(samples),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"The check_numerics worker failed with exit code {done.returncode}:\n"
-            f"{done.stderr[-4000:]}"
-        )
-    times = json.loads(done.stdout.strip().splitlines()[-1])
+    arguments = ["--check-numerics-worker", "--repeats", str(repeats), "--samples", str(samples)]
+    times = run_worker(os.path.abspath(__file__), arguments, "check_numerics")
     return _summary(times, -(-samples // BATCH), "epoch")
 
 
@@ -246,17 +237,8 @@ def one_core_worker(scale, models):
 
 
 def bench_one_core(scale, models):
-    command = [
-        sys.executable, os.path.abspath(__file__), ONE_CORE_FLAG,
-        "--models", ",".join(models), *(["--quick"] if scale > 1 else []),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"The one-core worker failed with exit code {done.returncode}:\n"
-            f"{done.stderr[-4000:]}"
-        )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    arguments = [ONE_CORE_FLAG, "--models", ",".join(models), *(["--quick"] if scale > 1 else [])]
+    return run_worker(os.path.abspath(__file__), arguments, "one-core")
 
 
 def _print_report(report):
