@@ -144,7 +144,11 @@ def entry_dtype(num_replicas):
 
 
 def inputs_nonfinite(tensors):
-    """Whether a floating input holds a non-finite value (or its sum overflows float32)."""
+    """Whether a floating input holds a non-finite value.
+
+    Also true when a sum overflows float32: an input's, or the total of them,
+    as for the in-step inputs flag.
+    """
     return _nonfinite_sum([_input_terms(tensors)], [1.0], tf.float32) > 0
 
 
@@ -231,10 +235,10 @@ class NaNProbe:
         These small ops run one after another (control dependencies), so that
         TensorFlow's executor runs them as one task instead of dispatching each
         read and assignment to its thread pool: on a CPU that dispatch costs
-        more than the ops. The weights are all read before the first sum. Called
-        outside an XLA-compiled step, which cannot
-        change a variable's shape; there the copies share buffers and the
-        check runs beside the step.
+        more than the ops. The weights are all read before the first sum.
+        Called outside an XLA-compiled step, which cannot change a variable's
+        shape; there the copies share buffers and the check runs beside the
+        step.
         """
         chain = _Chain()
         if self.capture is not None:
