@@ -40,10 +40,11 @@ share of the batch to replica-local variables each step (TensorFlow shares
 the batch's buffer; nothing is copied), so after the step that fired the
 detector holds that batch and can replay it. XLA cannot change a variable's
 shape, so with `jit_compile=True` the model compiles the rest of the step
-with XLA on its own and assigns the batch, takes the weights' terms and
-copies the weights outside it (beside it, with shared buffers), adding the
-weights' flag to the entry after it. What fired is worked out on the host
-then, from the flags, the weights and the replay. For
+with XLA on its own and, before it, assigns the batch, copies the weights
+(with shared buffers) and takes the weights' terms; the compiled step waits
+for them (run beside it, they competed with it for the cores), and the
+weights' flag is added to the entry after it. What fired is worked out on
+the host then, from the flags, the weights and the replay. For
 `action="restore"` every step also assigns the weights and the optimizer state
 to replica-local variables before the forward pass, keeping the previous
 step's too (a weight check at a step's start speaks of the update before it);
@@ -237,8 +238,8 @@ class NaNProbe:
         read and assignment to its thread pool: on a CPU that dispatch costs
         more than the ops. The weights are all read before the first sum.
         Called outside an XLA-compiled step, which cannot change a variable's
-        shape; there the copies share buffers and the check runs beside the
-        step.
+        shape; there the copies share buffers, and the compiled step runs
+        after the check.
         """
         chain = _Chain()
         if self.capture is not None:

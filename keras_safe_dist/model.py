@@ -111,7 +111,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         # Set by fit() from a NaNOnsetDetector among the callbacks.
         self._nan_probe_request = None
         self._nan_probe = None
-        # The step compiled with XLA on its own, when NaN checks run around it.
+        # The step compiled with XLA on its own, when NaN checks run before it.
         self._xla_step = None
 
     def get_config(self):
@@ -252,11 +252,12 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         if self._nan_probe is None or not self.jit_compile:
             return super().make_train_function(force=force)
         # XLA cannot assign a batch of another shape to the capture variables,
-        # copies the weights where a plain step shares their buffers, and runs
-        # the weight check in line: compile the step with XLA on its own, and
-        # capture, copy and check around it. Held in a plain function:
-        # SavedModel exports a model's tf.function attributes, and cannot
-        # export a train step.
+        # and copies the weights where a plain step shares their buffers; the
+        # weight check costs more inside the compiled step than before it
+        # (benchmarks/bench_nan_variants.py). So compile the step with XLA on
+        # its own, and capture, copy and check before it. Held in a plain
+        # function: SavedModel exports a model's tf.function attributes, and
+        # cannot export a train step.
         xla_step = tf.function(self._step, jit_compile=True, reduce_retracing=True)
         self._xla_step = lambda data: xla_step(data)
         self.jit_compile = False
@@ -272,7 +273,11 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         weight_terms = probe.begin_step(data)
         if self._xla_step is None:
             return self._step(data, weight_terms)
-        return probe.with_weight_flags(self._xla_step(data), weight_terms)
+        # The compiled step keeps every core busy: the weights' sums, run
+        # beside it, slowed it down more than running them first.
+        with tf.control_dependencies(weight_terms):
+            logs = self._xla_step(data)
+        return probe.with_weight_flags(logs, weight_terms)
 
     def _step(self, data, weight_terms=()):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

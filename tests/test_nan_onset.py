@@ -270,6 +270,22 @@ def test_exploding_learning_rate_restores_last_finite_weights_and_optimizer_stat
     assert len(history["loss"]) == 1
 
 
+def test_step_compiled_with_xla_finds_weights_the_update_broke():
+    # Under XLA the weights are checked before the compiled step, and their flag added after it.
+    x, y = data()
+    model = build(1, optimizer=lambda: keras.optimizers.SGD(Exploding()), jit_compile=True)
+    detector = NaNOnsetDetector(action="restore")
+    fit(model, x, y * 100.0, detector)
+    report = detector.report
+    assert model._xla_step is not None
+    assert (report["batch"], report["step"], report["kind"], report["restored_to"]) == (
+        3, 3, "weights", "before this batch"
+    )
+    # XLA's tanh is an approximation: 1e-4 apart from the plain step after three updates.
+    for expected, actual in zip(reference_weights(x, y * 100.0, 3), model.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-3)
+
+
 def test_overflowing_last_update_of_an_epoch_is_found_at_the_epoch_end(monkeypatch):
     checks = []
     check = _nan_probe.WeightCheck.__call__
