@@ -69,13 +69,13 @@ CONFIGS = {
 }
 
 
-def _model(strategy, features, width, jit_compile=False):
+def _model(strategy, features, width, jit_compile=False, model_class=SafeDistributedModel):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((features,))
         hidden = keras.layers.Dense(width, activation="relu")(inputs)
         hidden = keras.layers.Dense(width, activation="relu")(hidden)
-        model = SafeDistributedModel(inputs, keras.layers.Dense(10)(hidden))
+        model = model_class(inputs, keras.layers.Dense(10)(hidden))
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

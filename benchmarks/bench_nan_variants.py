@@ -53,6 +53,7 @@ from _timing import no_collection  # noqa: E402
 from bench_nan_onset import BATCH  # noqa: E402
 from bench_nan_onset import MODELS  # noqa: E402
 from bench_nan_onset import _dataset  # noqa: E402
+from bench_nan_onset import _model  # noqa: E402
 
 _STEP_STATE = ("train_function", "_update_engine", "_nan_probe", "_xla_step")
 
@@ -161,25 +162,11 @@ class VariantModel(SafeDistributedFunctional):
         return super().train_step(data) if step is None else step(self, data)
 
 
-def _model(features, width, jit_compile):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((features,))
-    hidden = keras.layers.Dense(width, activation="relu")(inputs)
-    hidden = keras.layers.Dense(width, activation="relu")(hidden)
-    model = VariantModel(inputs, keras.layers.Dense(10)(hidden))
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=jit_compile,
-    )
-    return model
-
-
 def bench_variants(model_name, xla, rotations, block, traces):
     """{(variant, trace): [seconds per step of each timed block]}."""
     features, width, samples = MODELS[model_name]
     dataset = _dataset(samples, features)
-    model = _model(features, width, xla)
+    model = _model(tf.distribute.get_strategy(), features, width, xla, model_class=VariantModel)
     variants = XLA_VARIANTS if xla else VARIANTS
     runs = [
         (name, trace)
