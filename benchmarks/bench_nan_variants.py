@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 if "--one-core" in sys.argv:  # before TensorFlow sizes its thread pools
     if not hasattr(os, "sched_setaffinity"):
@@ -49,13 +48,12 @@ from keras_safe_dist import _nan_probe  # noqa: E402
 from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
 from keras_safe_dist.model import SafeDistributedFunctional  # noqa: E402
 
-from _timing import no_collection  # noqa: E402
+from bench_nan_onset import _STEP_STATE  # noqa: E402
 from bench_nan_onset import BATCH  # noqa: E402
 from bench_nan_onset import MODELS  # noqa: E402
 from bench_nan_onset import _dataset  # noqa: E402
 from bench_nan_onset import _model  # noqa: E402
-
-_STEP_STATE = ("train_function", "_update_engine", "_nan_probe", "_xla_step")
+from bench_nan_onset import _timed_steps  # noqa: E402
 
 
 def _capture(probe, data):
@@ -181,9 +179,6 @@ def bench_variants(model_name, xla, rotations, block, traces):
         callbacks[name, trace] = [NaNOnsetDetector()] if detector else []
         model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=callbacks[name, trace])
         states[name, trace] = {a: getattr(model, a) for a in _STEP_STATE}
-        for callback in callbacks[name, trace]:
-            callback.set_model(model)
-            callback.on_train_begin()
     iterator = iter(tf.distribute.get_strategy().experimental_distribute_dataset(dataset.repeat()))
     times = {run: [] for run in runs}
     for rotation in range(rotations):
@@ -191,19 +186,8 @@ def bench_variants(model_name, xla, rotations, block, traces):
         for run in runs[shift:] + runs[:shift]:
             for attribute, value in states[run].items():
                 setattr(model, attribute, value)
-            times[run].append(_timed_block(model, iterator, callbacks[run], block))
+            times[run].append(_timed_steps(model, iterator, callbacks[run], block))
     return times
-
-
-def _timed_block(model, iterator, callbacks, steps):
-    """Seconds per step of what fit() runs per batch, over `steps` batches."""
-    with no_collection():
-        start = time.perf_counter()
-        for batch in range(steps):
-            logs = {name: float(value) for name, value in model.train_function(iterator).items()}
-            for callback in callbacks:
-                callback.on_train_batch_end(batch, logs)
-        return (time.perf_counter() - start) / steps
 
 
 def summary(times, seed=0):
