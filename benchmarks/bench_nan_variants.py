@@ -81,16 +81,13 @@ def _compiled_logs(with_weights):
 
     def logs(probe, data, loss_numerator, grads, weight_terms):
         inputs = [t for t in keras.tree.flatten(data) if t is not None and t.dtype.is_floating]
-        scales = tf.constant(probe._scales(), probe.dtype)
 
         def flags(loss_numerator, inputs, weight_terms):
             inputs = [_nan_probe._input_term(t) for t in inputs]
             if with_weights:
                 weight_terms = _weight_terms(probe.model)
             groups = [[tf.cast(loss_numerator, tf.float32)] + inputs, inputs, list(weight_terms)]
-            totals = [tf.reduce_sum(tf.stack(g)) if g else tf.zeros(()) for g in groups]
-            finite = tf.cast(tf.math.is_finite(tf.stack(totals)), scales.dtype)
-            return tf.reduce_sum(scales) - tf.reduce_sum(finite * scales)
+            return _nan_probe._nonfinite_sum(groups, probe._scales(), probe.dtype)
 
         function = _compiled(probe.model, f"flags {with_weights}", flags)
         return {"nonfinite_replicas": function(loss_numerator, inputs, weight_terms)}
