@@ -57,6 +57,9 @@ CODES = {
     "SCOPE005": Code(
         "scope", "error", "variable created during fit outside the training strategy"
     ),
+    "SCOPE006": Code(
+        "scope", "error", "compile or fit called inside another strategy's scope"
+    ),
     # Training mode: layers that behave differently in training.
     "MODE001": Code(
         "training mode", "error", "layer did not run in training mode"

@@ -185,9 +185,16 @@ def test_one_callback_object_reports_each_fit_afresh():
 
 
 def read_events(log_dir):
-    accumulator = event_accumulator.EventAccumulator(log_dir, size_guidance={"tensors": 0})
+    # Kept: events at a step already written (a purge would hide them).
+    accumulator = event_accumulator.EventAccumulator(
+        log_dir, size_guidance={"tensors": 0}, purge_orphaned_data=False
+    )
     accumulator.Reload()
     return accumulator
+
+
+def scalar_series(events, tag):
+    return [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
 
 
 def test_reports_are_written_for_tensorboard_and_as_json(tmp_path, replicas):
@@ -244,3 +251,86 @@ def test_callbacks_reject_bad_arguments(cls, kwargs, error, match):
 def test_training_mode_audit_rejects_bad_check_after_steps(steps):
     with pytest.raises(ValueError, match=f"`check_after_steps` must be an integer >= 1. Received: check_after_steps={steps!r}"):
         callbacks.TrainingModeAudit(check_after_steps=steps)
+
+
+class KeepsVariables(keras.callbacks.Callback):
+    """Creates a variable outside the scope at each epoch end and keeps it (SCOPE005)."""
+
+    def on_train_begin(self, logs=None):
+        self.kept = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.kept.append(keras.Variable(0.0, name="late_counter"))
+
+
+@pytest.mark.parametrize(
+    "cls, make",
+    [
+        (keras.Model, keras.callbacks.BackupAndRestore),
+        (SafeDistributedModel, callbacks.MultiWorkerBackupAndRestore),
+        (keras.Model, lambda d: keras.callbacks.ModelCheckpoint(os.path.join(d, "m.weights.h5"), save_weights_only=True)),
+    ],
+    ids=["keras-backup", "our-backup", "checkpoint"],
+)
+def test_scope_audit_is_silent_on_the_variables_keras_saving_creates_and_drops(tmp_path, cls, make):
+    # Each save_weights() builds a reference Optimizer(1.0) (its `iteration` and
+    # `learning_rate`) outside the scope, to list attribute names, and drops it.
+    model = build(mirrored_strategy(), keras.layers.Dense(1), cls=cls)
+    audit = callbacks.ScopeAudit(log_dir=str(tmp_path / "logs"), on_finding="raise")
+    model.fit(X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[audit, make(str(tmp_path / "backup"))])
+    assert len(audit.report) == 0
+    assert scalar_series(read_events(str(tmp_path / "logs")), "audits/scope/error") == [(0, 0.0), (1, 0.0), (2, 0.0)]
+
+
+@pytest.mark.parametrize("cls", [keras.Model, SafeDistributedModel], ids=["stock", "safe"])
+def test_audit_callbacks_are_silent_under_one_device_strategy(cls):
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        inputs = keras.Input((3,))
+        hidden = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
+        model = cls(inputs, keras.layers.Dense(1)(keras.layers.Dropout(0.5)(hidden)))
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    audits = [callbacks.ScopeAudit(on_finding="raise"), callbacks.AggregationAudit(on_finding="raise"), callbacks.TrainingModeAudit(on_finding="raise")]
+    fit(model, *audits, KeepsVariables(), epochs=2)  # plain variables are right here
+    assert [a.report.summary() for a in audits] == [
+        "scope audit: 0 errors, 0 warnings, 0 info",
+        "aggregation audit: 0 errors, 0 warnings, 0 info",
+        "training_mode audit: 0 errors, 0 warnings, 0 info",
+    ]
+    assert {v.container for v in audits[1].variables} == {"plain"}
+
+
+def test_scope_audit_reports_each_finding_once_per_fit_one_step_per_epoch(tmp_path):
+    log_dir = str(tmp_path)
+    model = build(mirrored_strategy(), keras.layers.Dense(1))
+    audit = callbacks.ScopeAudit(log_dir=log_dir)
+    for _ in range(2):  # the same callback object: each fit warns afresh
+        with pytest.warns(callbacks.AuditWarning) as warned:
+            fit(model, audit, KeepsVariables(), epochs=3)
+        assert len(warned) == 1
+        assert str(warned[0].message).startswith("scope audit: 1 error, 0 warnings, 0 info (SCOPE005)\n[SCOPE005] error variable 'late_counter'")
+        (finding,) = audit.report.findings
+        assert "(3 variables of this name)" in finding.message
+    with open(os.path.join(log_dir, "audit_scope.json")) as f:
+        assert [f["subject"] for f in json.load(f)["findings"]] == ["variable 'late_counter'"]
+    # Created in on_epoch_end after ScopeAudit's: counted in that epoch's report.
+    series = [(0, 0.0), (1, 1.0), (2, 1.0), (3, 1.0)]
+    assert scalar_series(read_events(log_dir), "audits/scope/error") == series * 2
+
+
+def test_scope_audit_stops_watching_when_it_raises():
+    model = build(mirrored_strategy(), keras.layers.Dense(1))
+    audit = callbacks.ScopeAudit(on_finding="raise")
+    with pytest.raises(callbacks.AuditError, match=r"\[SCOPE005\] error variable 'late_counter'"):
+        fit(model, audit, KeepsVariables(), epochs=3)
+    assert audit._watch is None  # fit() calls no on_train_end after an error
+
+
+def test_aggregation_audit_warns_once_when_it_reports_again_after_the_first_epoch(tmp_path):
+    model = build(strategy_for(1), SumCounter(name="counter"), keras.layers.Dense(1), metrics=["mae"])
+    audit = callbacks.AggregationAudit(log_dir=str(tmp_path))
+    with pytest.warns(callbacks.AuditWarning) as warned:
+        fit(model, audit, epochs=2)
+    assert len(warned) == 1
+    # Reported again at step 1: the first step built the metric.
+    assert scalar_series(read_events(str(tmp_path)), "audits/aggregation/error") == [(0, 1.0), (1, 1.0)]
+    assert audit.report.codes() == ("AGG003",)

@@ -3,10 +3,13 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_safe_dist
 from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.audits import CreationWatch
 from keras_safe_dist.audits import aggregation_findings
+from keras_safe_dist.audits import current_scope_findings
 from keras_safe_dist.audits import scope_findings
 
 from conftest import mirrored_strategy
@@ -261,3 +264,124 @@ def test_fit_refuses_a_model_whose_optimizer_moved_outside_the_scope():
     x = np.ones((8, 3), "float32")
     with pytest.raises(keras_safe_dist.ScopeError, match=r"SafeDistributedModel.fit\(\) found .*\n- \[SCOPE002\] optimizer 'sgd'"):
         model.fit(x, x[:, :1], verbose=0)
+
+
+def one_device(device="/cpu:0"):
+    return tf.distribute.OneDeviceStrategy(device)
+
+
+@pytest.mark.parametrize("cls", [keras.Model, SafeDistributedModel], ids=["stock", "safe"])
+def test_one_device_strategy_compiles_fits_and_audits_without_findings(cls):
+    with one_device().scope():
+        inputs = keras.Input((3,))
+        model = cls(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    assert keras_safe_dist.audit(model).summary() == "pre-flight audit: 0 errors, 0 warnings, 0 info"
+    x = np.ones((8, 3), "float32")
+    history = model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    # After fit: optimizer slots and metric state, all plain, all accepted.
+    findings, variables = aggregation_findings(model)
+    assert len(variables) == 12 and {v.container for v in variables} == {"plain"}
+    assert findings == [] and scope_findings(model) == []
+    assert keras_safe_dist.audit(model).summary() == "pre-flight audit: 0 errors, 0 warnings, 0 info"
+
+
+def test_one_device_strategy_still_flags_an_optimizer_of_another_strategy():
+    with one_device().scope():
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    assert scope_findings(model, optimizer=keras.optimizers.SGD()) == []  # plain: right
+    with mirrored_strategy().scope():
+        optimizer = keras.optimizers.SGD(name="mirrored_sgd")
+    (finding,) = scope_findings(model, optimizer=optimizer)
+    assert (finding.code, finding.subject) == ("SCOPE002", "optimizer 'mirrored_sgd'")
+    assert finding.message.startswith(
+        "2 of 2 variables belong to another MirroredStrategy with 2 replicas, "
+        "not to the OneDeviceStrategy with 1 replica that trains it"
+    )
+
+
+def test_creation_watch_reports_held_variables_once_per_name():
+    watch = CreationWatch(mirrored_strategy())
+    watch.start()
+    try:
+        kept = [keras.Variable(0.0, name="kept") for _ in range(2)]
+        keras.optimizers.SGD()  # dropped at once, like the one Keras's saving builds
+        with mirrored_strategy().scope():
+            kept.append(keras.Variable(0.0, name="in_scope"))
+    finally:
+        watch.stop()
+    (finding,) = watch.findings()
+    assert (finding.code, finding.subject) == ("SCOPE005", "variable 'kept'")
+    assert "by test_audits.py:" in finding.message
+    assert finding.message.endswith(
+        "(2 variables of this name): it is a plain variable on one device, not mirrored across replicas."
+    )
+
+
+def test_creation_watch_under_one_device_accepts_plain_variables_only():
+    watch = CreationWatch(one_device())
+    watch.start()
+    try:
+        kept = [keras.Variable(0.0, name="plain")]
+        with mirrored_strategy().scope():
+            kept.append(keras.Variable(0.0, name="mirrored"))
+    finally:
+        watch.stop()
+    (finding,) = watch.findings()
+    assert finding.subject == "variable 'mirrored'"
+    assert finding.message.endswith(": it belongs to another MirroredStrategy with 2 replicas.")
+
+
+STRATEGIES = {
+    "mirrored": mirrored_strategy,
+    "one_device": one_device,
+    "other_one_device": lambda: one_device("/cpu:1"),
+}
+
+
+@pytest.mark.parametrize(
+    "built, entered, names",
+    [
+        ("mirrored", "one_device", ("OneDeviceStrategy with 1 replica", "MirroredStrategy with 2 replicas")),
+        ("one_device", "mirrored", ("MirroredStrategy with 2 replicas", "OneDeviceStrategy with 1 replica")),
+        ("one_device", "other_one_device", ("OneDeviceStrategy with 1 replica", "OneDeviceStrategy with 1 replica")),
+    ],
+)
+def test_fit_inside_another_strategy_scope_raises_scope_error_naming_both(built, entered, names):
+    built, entered = STRATEGIES[built](), STRATEGIES[entered]()
+    x = np.ones((8, 3), "float32")
+    models = {}
+    for cls in (keras.Model, SafeDistributedModel):
+        with built.scope():
+            inputs = keras.Input((3,))
+            models[cls] = cls(inputs, keras.layers.Dense(1)(inputs), name="built_under_a")
+            models[cls].compile(optimizer="sgd", loss="mse")
+    with entered.scope():
+        with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+            models[keras.Model].fit(x, x[:, :1], verbose=0)  # stock
+        with pytest.raises(keras_safe_dist.ScopeError) as raised:
+            models[SafeDistributedModel].fit(x, x[:, :1], verbose=0)
+    message = str(raised.value)
+    assert message.startswith(
+        "SafeDistributedModel.fit() was called inside the scope of another strategy:\n"
+        "- [SCOPE006] model 'built_under_a': SafeDistributedModel.fit() was called inside "
+        f"`with strategy.scope():` of another strategy, a {names[0]}, but the model "
+        f"belongs to the {names[1]} that built it"
+    )
+    assert message.endswith(
+        "Fix: Call SafeDistributedModel.fit() outside that `with strategy.scope():` block, "
+        f"or inside the scope of the {names[1]} (`with model.distribute_strategy.scope():`)."
+    )
+    assert [f.code for f in raised.value.findings] == ["SCOPE006"]
+    with tf.distribute.get_strategy().scope():  # the default strategy's scope is no scope
+        assert current_scope_findings("fit()", models[SafeDistributedModel]) == []
+
+
+def test_compile_inside_another_strategy_scope_raises_scope006():
+    with one_device().scope():
+        model = safe_model()
+    with mirrored_strategy().scope():
+        with pytest.raises(keras_safe_dist.ScopeError, match=r"^SafeDistributedModel.compile\(\) was called inside the scope of another strategy:\n- \[SCOPE006\]"):
+            model.compile(optimizer="sgd", loss="mse")

@@ -60,6 +60,43 @@ def test_report_prints_findings_and_statistics_and_fails_on_errors(tmp_path, cap
     assert out.rstrip().endswith("1 finding(s) at or above 'error': failing.")
 
 
+def test_report_passes_a_correct_run_with_backup_and_restore(tmp_path, capsys):
+    log_dir = str(tmp_path / "logs")
+    with strategy_for(2).scope():
+        inputs = keras.Input((3,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="adam", loss="mse")
+    cbs = [
+        callbacks.ScopeAudit(log_dir=log_dir, on_finding="raise"),
+        callbacks.AggregationAudit(log_dir=log_dir, on_finding="raise"),
+        keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+    ]
+    model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=cbs)
+    code, out, _ = run_cli(capsys, log_dir)
+    assert code == 0
+    assert "Findings (0 error, 0 warning, 0 info):\nnone (2 audit reports read)" in out
+
+
+def test_report_lists_a_finding_repeated_every_epoch_once(tmp_path, capsys):
+    class KeepsVariables(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.kept = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.kept.append(keras.Variable(0.0, name="late_counter"))
+
+    with strategy_for(2).scope():
+        inputs = keras.Input((3,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    audit = callbacks.ScopeAudit(log_dir=str(tmp_path), on_finding="ignore")
+    model.fit(X, Y, batch_size=8, epochs=4, verbose=0, callbacks=[audit, KeepsVariables()])
+    code, out, _ = run_cli(capsys, str(tmp_path))
+    assert code == 1
+    assert "Findings (1 error, 0 warning, 0 info):" in out
+    assert out.count("| scope | SCOPE005 | error | variable 'late_counter' |") == 1
+
+
 def test_report_json_and_fail_on_levels(tmp_path, capsys):
     frozen = keras.layers.BatchNormalization(name="frozen")
     frozen.trainable = False

@@ -8,6 +8,7 @@ from keras_safe_dist.audits.scope import CreationWatch
 from keras_safe_dist.audits.scope import ScopeError
 from keras_safe_dist.audits.scope import check_scope
 from keras_safe_dist.audits.scope import creation_site
+from keras_safe_dist.audits.scope import current_scope_findings
 from keras_safe_dist.audits.scope import scope_findings
 from keras_safe_dist.audits.scope import training_strategy
 from keras_safe_dist.audits.training_mode import TrainingModeSnapshot
@@ -22,6 +23,7 @@ __all__ = [
     "audit",
     "check_scope",
     "creation_site",
+    "current_scope_findings",
     "frozen_batch_norm_findings",
     "scope_findings",
     "training_strategy",

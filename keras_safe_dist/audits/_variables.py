@@ -50,12 +50,45 @@ def tf_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+# Strategies whose scope creates plain, one-device variables, like no scope.
+_PLAIN_STRATEGIES = (
+    tf.distribute.OneDeviceStrategy,
+    tf.compat.v1.distribute.OneDeviceStrategy,
+)
+
+
 def strategy_of(variable):
     """The strategy whose scope created `variable`; the default one if none."""
     value = tf_variable(variable)
     if isinstance(value, tf.distribute.DistributedValues):
         return _compat.distributed_strategy(value)
     return _compat.default_strategy()
+
+
+def distributes_variables(strategy):
+    """Whether variables created in `strategy`'s scope are distributed.
+
+    False for TensorFlow's default strategy and `OneDeviceStrategy`: both
+    create plain variables, as if no scope were entered.
+    """
+    return strategy is not _compat.default_strategy() and not isinstance(
+        strategy, _PLAIN_STRATEGIES
+    )
+
+
+def belongs_to(variable, strategy):
+    """Whether `variable` is held the way `strategy` holds its variables.
+
+    Under a strategy that distributes variables, `variable` must have been
+    created in that strategy's scope. Under one that does not (the default
+    strategy, `OneDeviceStrategy`), any plain variable is right, wherever it
+    was created; a variable distributed by another strategy is not.
+    """
+    if strategy_of(variable) is strategy:
+        return True
+    if distributes_variables(strategy):
+        return False
+    return not isinstance(tf_variable(variable), tf.distribute.DistributedValues)
 
 
 def local_values(variable):

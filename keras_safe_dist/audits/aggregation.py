@@ -24,7 +24,7 @@ def aggregation_findings(model, strategy=None):
         and the `VariableInfo` of every variable inspected.
     """
     strategy = strategy or model.distribute_strategy
-    distributed = strategy is not _compat.default_strategy()
+    distributed = _variables.distributes_variables(strategy)
     rows = [info for _, info in _variables.inventory(model)]
     findings = []
     for info in rows:

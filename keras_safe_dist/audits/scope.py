@@ -6,10 +6,17 @@ a bare AssertionError), or not at all: a metric or a variable created by a
 callback outside the scope silently lives on one device. The findings here
 name the object, where it was built when that can be told, and the line to
 move into `with strategy.scope():`.
+
+A variable belongs to the training strategy when it is held the way that
+strategy holds variables (`_variables.belongs_to`): under a strategy that
+mirrors variables, it was created in that strategy's scope; under the default
+strategy or `OneDeviceStrategy`, which create plain variables, any plain
+variable does.
 """
 
 import inspect
 import os
+import weakref
 
 import keras
 import tensorflow as tf
@@ -24,6 +31,7 @@ __all__ = [
     "ScopeError",
     "check_scope",
     "creation_site",
+    "current_scope_findings",
     "scope_findings",
     "training_strategy",
 ]
@@ -130,7 +138,7 @@ def scope_findings(model, strategy=None, optimizer=None, metrics=()):
 
 
 def _misplaced(code, subject, variables, strategy, fix):
-    wrong = [v for v in variables if _variables.strategy_of(v) is not strategy]
+    wrong = [v for v in variables if not _variables.belongs_to(v, strategy)]
     if not wrong:
         return None
     example = _variables.describe(wrong[0], subject, "")
@@ -160,26 +168,78 @@ class ScopeError(ValueError):
 
     def __init__(self, where, findings):
         self.findings = tuple(findings)
-        lines = [
-            f"{where} found objects built outside the strategy that trains "
-            "the model:"
-        ]
+        if [f.code for f in self.findings] == ["SCOPE006"]:
+            header = f"{where} was called inside the scope of another strategy:"
+        else:
+            header = (
+                f"{where} found objects built outside the strategy that trains "
+                "the model:"
+            )
+        lines = [header]
         for f in self.findings:
             lines.append(f"- [{f.code}] {f.subject}: {f.message} Fix: {f.fix}")
         super().__init__("\n".join(lines))
 
 
 def check_scope(where, model, strategy=None, optimizer=None, metrics=()):
-    """Raises `ScopeError` when `scope_findings` has errors.
+    """Raises `ScopeError` when the call or the objects are in the wrong scope.
+
+    Checks `current_scope_findings` (the call is made inside another
+    strategy's scope) first: when it fails, that finding alone is raised,
+    since what the call creates itself (an optimizer given by name) lands in
+    that other scope too. Then checks `scope_findings` (the objects'
+    variables).
 
     Args:
         where: the call being checked, e.g. `"SafeDistributedModel.fit()"`.
         model, strategy, optimizer, metrics: as for `scope_findings`.
+
+    Raises:
+        ScopeError: carrying the `SCOPE*` errors found.
     """
-    findings = scope_findings(model, strategy, optimizer, metrics)
+    strategy = training_strategy(model, strategy)
+    findings = current_scope_findings(where, model, strategy)
+    if not findings:
+        findings = scope_findings(model, strategy, optimizer, metrics)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise ScopeError(where, errors)
+
+
+def current_scope_findings(where, model, strategy=None):
+    """`SCOPE006` when `where` runs inside another strategy's scope.
+
+    Keras enters the scope of the strategy that built the model in `fit()`,
+    and TensorFlow refuses to enter one strategy's scope inside another's
+    ("Mixing different tf.distribute.Strategy objects"). The default
+    strategy's scope is no scope, so it is never reported.
+
+    Args:
+        where: the call being checked, e.g. `"SafeDistributedModel.fit()"`.
+        model: a `keras.Model`.
+        strategy: the training strategy; see `training_strategy`.
+
+    Returns:
+        A list with one `SCOPE006` finding, or an empty list.
+    """
+    strategy = training_strategy(model, strategy)
+    current = tf.distribute.get_strategy()
+    if not tf.distribute.has_strategy() or current is strategy:
+        return []
+    trains = describe_strategy(strategy)
+    return [
+        Finding.of(
+            "SCOPE006",
+            f"model '{model.name}'",
+            f"{where} was called inside `with strategy.scope():` of another "
+            f"strategy, a {describe_strategy(current)}, but the model belongs "
+            f"to the {trains} that built it: TensorFlow refuses to mix them "
+            "('Mixing different tf.distribute.Strategy objects').",
+            f"Call {where} outside that `with strategy.scope():` block, or "
+            f"inside the scope of the {trains} (`with "
+            "model.distribute_strategy.scope():`).",
+        )
+    ]
 
 
 class CreationWatch:
@@ -187,7 +247,17 @@ class CreationWatch:
 
     Uses `tf.variable_creator_scope`, which tf.function tracing inherits, so
     variables created lazily inside the train step are seen too. Only the
-    thread that called `start()` is watched.
+    thread that called `start()` is watched. A variable is recorded when it
+    was created outside the strategy's scope and does not belong to the
+    strategy (`_variables.belongs_to`): under `OneDeviceStrategy` or the
+    default strategy a plain variable is right wherever it was created.
+
+    `findings()` reports a recorded variable only if something still holds
+    it: Keras creates throwaway objects while training, such as the reference
+    `Optimizer(1.0)` its saving code builds on each `save_weights()` (in
+    `BackupAndRestore` and `ModelCheckpoint`) to list an optimizer's own
+    attributes, whose variables are dropped at once and never used by
+    training.
 
     Args:
         strategy: the strategy variables should be created under.
@@ -195,8 +265,9 @@ class CreationWatch:
 
     def __init__(self, strategy):
         self.strategy = strategy
-        self.created = []
         self._scope = None
+        self._pending = []
+        self._found = {}
 
     def start(self):
         self._scope = tf.variable_creator_scope(self._creator)
@@ -208,26 +279,67 @@ class CreationWatch:
             scope.__exit__(None, None, None)
 
     def _creator(self, next_creator, **kwargs):
-        if self._scope is not None and tf.distribute.get_strategy() is not self.strategy:
-            self.created.append((kwargs.get("name") or "unnamed", creation_site()))
-        return next_creator(**kwargs)
+        variable = next_creator(**kwargs)
+        current = tf.distribute.get_strategy()
+        if self._scope is None or current is self.strategy:
+            return variable
+        name = kwargs.get("name") or "unnamed"
+        if _variables.distributes_variables(current):
+            # Another strategy's creator is making one copy per device of a
+            # variable it distributes; the copies after the first are named
+            # "<name>/replica_<i>/". Record the variable once.
+            if "/replica_" in name:
+                return variable
+            owner = current
+        elif _variables.belongs_to(variable, self.strategy):
+            return variable
+        else:
+            owner = _variables.strategy_of(variable)
+        self._pending.append((name, creation_site(), _weak(variable), owner))
+        return variable
 
     def findings(self):
-        """One `SCOPE005` finding per variable created outside the scope."""
+        """One `SCOPE005` finding per name of a variable created outside the scope.
+
+        Variables recorded since the last call count when something still
+        holds them; once counted, a name stays reported.
+        """
+        pending, self._pending = self._pending, []
+        for name, site, ref, owner in pending:
+            if ref() is None:
+                continue
+            if name in self._found:
+                self._found[name][2] += 1
+            else:
+                self._found[name] = [site, owner, 1]
         strategy = describe_strategy(self.strategy)
         return [
             Finding.of(
                 "SCOPE005",
                 f"variable '{name}'",
                 f"created during fit() outside the scope of the {strategy} "
-                f"that trains the model, by {site}: it is a plain variable on "
-                "one device, not mirrored across replicas.",
+                f"that trains the model, by {site}"
+                + (f" ({count} variables of this name)" if count > 1 else "")
+                + f": {_held_as(owner)}",
                 "Create it before fit() inside `with strategy.scope():`, or "
                 "wrap its creation in `with self.model.distribute_strategy."
                 "scope():`.",
             )
-            for name, site in self.created
+            for name, (site, owner, count) in self._found.items()
         ]
+
+
+def _weak(variable):
+    try:
+        return weakref.ref(variable)
+    except TypeError:
+        return lambda: variable
+
+
+def _held_as(owner):
+    if owner is _compat.default_strategy():
+        return "it is a plain variable on one device, not mirrored across replicas."
+    return f"it belongs to another {describe_strategy(owner)}."
 
 
 def creation_site():

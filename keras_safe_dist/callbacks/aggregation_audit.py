@@ -25,7 +25,8 @@ class AggregationAudit(AuditCallback):
     - `AGG002`: an optimizer slot whose aggregation is not `none`.
     - `AGG003`: an on-write variable with `sum` aggregation.
     - `AGG004`: metric state that is not replica-local (on-read).
-    - `AGG005`: a plain variable in a model trained under a strategy.
+    - `AGG005`: a plain variable in a model trained under a strategy that
+      mirrors variables (not the default strategy or `OneDeviceStrategy`).
     - `AGG006`: an integer variable with `mean` aggregation.
 
     Args:
@@ -49,6 +50,7 @@ class AggregationAudit(AuditCallback):
         self.variables = []
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         self._audit(step=0)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -37,7 +37,11 @@ class AuditCallback(keras.callbacks.Callback):
     `audit_<name>.json`), kept in `.report`, then acted on: `"warn"` issues
     one `AuditWarning` listing the warnings and errors, `"raise"` raises an
     `AuditError` when there is a warning or an error, `"ignore"` does
-    neither. Findings of severity `info` are only reported.
+    neither. Within one `fit()`, a finding (its code and subject) is warned
+    or raised once: a report published again acts only on findings it did
+    not hold before. Findings of severity `info` are only reported.
+    Subclasses that override `on_train_begin` call
+    `super().on_train_begin(logs)`, which starts that record afresh.
 
     Args:
         log_dir: where to write the report; None writes nothing.
@@ -69,6 +73,10 @@ class AuditCallback(keras.callbacks.Callback):
         self.on_finding = on_finding
         self.ignore = tuple(ignore)
         self.report = None
+        self._acted_on = set()
+
+    def on_train_begin(self, logs=None):
+        self._acted_on = set()
 
     def publish(self, report, step=0, extra=None):
         """Keeps, writes and acts on `report`.
@@ -89,16 +97,18 @@ class AuditCallback(keras.callbacks.Callback):
                 strategy=self.model.distribute_strategy,
             )
         serious = report.at_least("warning")
-        if not serious or self.on_finding == "ignore":
+        new = [f for f in serious if (f.code, f.subject) not in self._acted_on]
+        self._acted_on.update((f.code, f.subject) for f in serious)
+        if not new or self.on_finding == "ignore":
             return
         if self.on_finding == "raise":
             raise AuditError(report)
-        warnings.warn(describe(report), AuditWarning, stacklevel=2)
+        warnings.warn(describe(report, new), AuditWarning, stacklevel=2)
 
 
-def describe(report):
-    """The summary line, then one line per warning or error."""
+def describe(report, findings=None):
+    """The summary line, then one line per finding (default: warnings and errors)."""
     lines = [report.summary()]
-    for f in report.at_least("warning"):
+    for f in report.at_least("warning") if findings is None else findings:
         lines.append(f"[{f.code}] {f.severity} {f.subject}: {f.message} Fix: {f.fix}")
     return "\n".join(lines)

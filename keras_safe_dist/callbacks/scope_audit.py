@@ -4,6 +4,7 @@ from keras_safe_dist.audits import CreationWatch
 from keras_safe_dist.audits import scope_findings
 from keras_safe_dist.audits import training_strategy
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
+from keras_safe_dist.callbacks.audit_callback import AuditError
 from keras_safe_dist.findings import AuditReport
 
 __all__ = ["ScopeAudit"]
@@ -14,13 +15,18 @@ class ScopeAudit(AuditCallback):
 
     At train begin, checks that the variables of the model (`SCOPE001`), the
     optimizer (`SCOPE002`), each metric (`SCOPE003`) and the loss scale
-    (`SCOPE004`) belong to the strategy `fit()` runs under. From train begin
-    to train end it watches variable creation with
-    `tf.variable_creator_scope` (tf.function tracing included) and flags each
-    variable created outside that strategy (`SCOPE005`), naming the code that
-    created it; such findings are reported at the end of each epoch and at
-    train end. Put `ScopeAudit` before other callbacks so that their
-    `on_train_begin` is watched too.
+    (`SCOPE004`) belong to the strategy `fit()` runs under; under the default
+    strategy or `OneDeviceStrategy`, plain variables do. From train begin to
+    train end it watches variable creation with `tf.variable_creator_scope`
+    (tf.function tracing included) and flags each variable created outside
+    that strategy that something still holds (`SCOPE005`), naming the code
+    that created it. The report is published at train begin (TensorBoard
+    step 0) and once per epoch (step `epoch + 1`), when the next epoch begins
+    or training ends, so that what the callbacks after this one create in
+    their `on_epoch_end` counts in that epoch. Each report holds every
+    finding of the `fit()` so far, once per code and subject, and warns or
+    raises only for the new ones. Put `ScopeAudit` before other callbacks so
+    that their `on_train_begin` is watched too.
 
     Args:
         log_dir: where to write the report; None writes nothing.
@@ -34,35 +40,54 @@ class ScopeAudit(AuditCallback):
         super().__init__(log_dir=log_dir, on_finding=on_finding, ignore=ignore)
         self._watch = None
         self._placement = []
-        self._reported = 0
-        self._epochs = 0
+        self._epoch_done = None
+        self._last_step = 0
+        self._published = 0
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         self._stop_watching()
         strategy = training_strategy(self.model)
         self._placement = scope_findings(self.model, strategy)
-        self._reported = 0
-        self._epochs = 0
+        self._epoch_done = None
+        self._last_step = 0
+        self._published = len(self._placement)
         self.publish(AuditReport(self.name, self._placement))
         self._watch = CreationWatch(strategy)
         self._watch.start()
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._publish_epoch()
+
     def on_epoch_end(self, epoch, logs=None):
-        self._epochs = epoch + 1
-        self._report_creations()
+        self._epoch_done = epoch + 1
 
     def on_train_end(self, logs=None):
         try:
-            self._report_creations()
+            self._publish_epoch(train_end=True)
         finally:
             self._stop_watching()
 
-    def _report_creations(self):
-        if self._watch is None or len(self._watch.created) == self._reported:
+    def _publish_epoch(self, train_end=False):
+        if self._watch is None:
             return
-        self._reported = len(self._watch.created)
+        step, self._epoch_done = self._epoch_done, None
+        if step is None and not train_end:
+            return
         findings = self._placement + self._watch.findings()
-        self.publish(AuditReport(self.name, findings), step=self._epochs)
+        if step is None:
+            # Training ended with no epoch ended since the last report (no
+            # epoch ran): report what was created since, at the next step.
+            if len(findings) == self._published:
+                return
+            step = self._last_step + 1
+        self._last_step = step
+        self._published = len(findings)
+        try:
+            self.publish(AuditReport(self.name, findings), step=step)
+        except AuditError:
+            self._stop_watching()  # fit() ends here, without on_train_end
+            raise
 
     def _stop_watching(self):
         if self._watch is not None:

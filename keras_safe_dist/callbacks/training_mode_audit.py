@@ -58,6 +58,7 @@ class TrainingModeAudit(AuditCallback):
         self._steps = 0
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         self._frozen = frozen_batch_norm_findings(self.model)
         self._snapshot = TrainingModeSnapshot(self.model)
         self._steps = 0
