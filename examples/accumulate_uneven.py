@@ -47,6 +47,7 @@ def main():
             outputs=outputs,
             gradient_accumulation_steps=3,
             global_clipnorm=1.0,
+            log_update_stats=True,
         )
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
 

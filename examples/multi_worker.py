@@ -53,6 +53,7 @@ def main():
             keras.layers.Dense(1)(hidden),
             gradient_accumulation_steps=2,
             global_clipnorm=1.0,
+            log_update_stats=True,
         )
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
 

@@ -79,7 +79,9 @@ def main():
     x, y, w = data()
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
-        safe = ResidualRegressor(gradient_accumulation_steps=STEPS, global_clipnorm=1.0)
+        safe = ResidualRegressor(
+            gradient_accumulation_steps=STEPS, global_clipnorm=1.0, log_update_stats=True
+        )
         safe.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     history = safe.fit(x, y, sample_weight=w, batch_size=MICRO_BATCH, epochs=3, verbose=0, shuffle=False)
     print(f"replicas: {strategy.num_replicas_in_sync}, micro-batch {MICRO_BATCH}, accumulation {STEPS}")

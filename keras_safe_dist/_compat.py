@@ -15,6 +15,7 @@ from keras.src.losses import loss as _keras_loss
 from keras.src.models.functional import Functional
 from keras.src.trainers import trainer as _keras_trainer
 from tensorflow.python.distribute import distribute_lib as _tf_distribute_lib
+from tensorflow.python.distribute import values as _tf_values
 
 # The class Keras instantiates for `Model(inputs=..., outputs=...)`.
 Functional = Functional
@@ -59,6 +60,27 @@ def loss_tracker(model):
 def compute_loss_is_overridden(model):
     """Whether `model` (or a parent below keras.Model) overrides compute_loss."""
     return type(model).compute_loss is not _keras_trainer.Trainer.compute_loss
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """Calls `model.compute_loss` for training as Keras's own train step does.
+
+    Keras's wrapper also supports overrides written before `compute_loss`
+    took a `training` argument.
+    """
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+
+
+def call_has_training_arg(model):
+    """Whether `model.call` takes a `training` argument."""
+    return model._call_has_training_arg
+
+
+def unscale_loss(value):
+    """Undoes the 1 / replicas that Keras applies to losses under a strategy."""
+    return _keras_loss.unscale_loss_for_distribution(value)
 
 
 @contextlib.contextmanager
@@ -127,16 +149,18 @@ class TrainerOverrides:
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Stock Keras MEAN-reduces the first distributed batch to build the
         # model, which crashes when that batch splits unevenly across replicas
-        # and under MultiWorkerMirroredStrategy. The specs of one replica's
-        # share, with an unknown batch dimension, are all a build needs.
-        if iterator is not None:
-            for _, _, batches in iterator:
-                data_batch = next(batches)
-                break
+        # and under MultiWorkerMirroredStrategy, and takes that batch from a
+        # one-shot generator. The element spec of the dataset, one replica's
+        # share with an unknown batch dimension, is all a build needs.
         strategy = self.distribute_strategy
-        specs = keras.tree.map_structure(
-            lambda v: _batch_spec(strategy, v), data_batch
-        )
+        if iterator is not None:
+            specs = tf.nest.map_structure(
+                _spec_tensor, iterator._get_iterator().element_spec
+            )
+        else:
+            specs = keras.tree.map_structure(
+                lambda v: _batch_spec(strategy, v), data_batch
+            )
         _remember_train_data_specs(self, specs)
         with strategy.scope():
             self._symbolic_build(data_batch=specs)
@@ -169,12 +193,26 @@ def _batch_spec(strategy, value):
         return None
     if isinstance(value, tf.distribute.DistributedValues):
         value = strategy.experimental_local_results(value)[0]
-    shape = tuple(value.shape)
+    return _spec_tensor(tf.type_spec_from_value(value))
+
+
+def _spec_tensor(spec):
+    """A KerasTensor for one replica's share of a batch of type `spec`, or None."""
+    if isinstance(spec, _tf_values.PerReplicaSpec):
+        spec = spec._value_specs[0]
+    if isinstance(spec, tf.OptionalSpec):
+        # An optional input: None from a generator, or a value.
+        spec = spec._element_spec
+    if not isinstance(
+        spec, (tf.TensorSpec, tf.SparseTensorSpec, tf.RaggedTensorSpec)
+    ):
+        return None
+    shape = tuple(spec.shape) if spec.shape.rank is not None else (None,)
     if shape:
         shape = (None,) + shape[1:]
     return keras.KerasTensor(
         shape,
-        dtype=value.dtype.name,
-        sparse=isinstance(value, tf.SparseTensor),
-        ragged=isinstance(value, tf.RaggedTensor),
+        dtype=spec.dtype.name,
+        sparse=isinstance(spec, tf.SparseTensorSpec),
+        ragged=isinstance(spec, tf.RaggedTensorSpec),
     )

@@ -79,6 +79,21 @@ def micro_batch_loss(model, y, y_pred, sample_weight):
     return MicroBatchLoss(numerator, denominator, samples)
 
 
+def custom_loss(value, y_pred, accumulate):
+    """`MicroBatchLoss` from the value of an overridden `compute_loss()`.
+
+    Without accumulation the value is what the replica differentiates, as in
+    stock Keras (the replicas' gradients are summed). With accumulation the
+    value, with Keras's `1 / replicas` scaling undone, is taken as the mean
+    loss of the replica's micro-batch and weighted by its sample count.
+    """
+    samples = ops.cast(ops.shape(keras.tree.flatten(y_pred)[0])[0], "float32")
+    value = ops.cast(value, "float32")
+    if not accumulate:
+        return MicroBatchLoss(value, None, samples)
+    return MicroBatchLoss(_compat.unscale_loss(value) * samples, samples, samples)
+
+
 def weight_regularization(model):
     """Sum of the weight regularization penalties, or None if there are none."""
     penalties = [

@@ -33,10 +33,16 @@ class UpdateEngine:
         self.strategy = model.distribute_strategy
         self.steps = model.gradient_accumulation_steps
         self.loss_scale = _loss_scale_optimizer(model.optimizer)
+        # An overridden compute_loss() gives the whole loss, weight
+        # regularization included when it calls Keras's.
+        self.custom_loss = _compat.compute_loss_is_overridden(model)
         # Set while the train step is traced: whether the contributions still
         # need dividing by the reduced denominator (False without accumulation,
         # where `objective()` divides first, and for reduction="sum").
         self.normalized = True
+        # Set while the train step is traced: indexes of the trainable
+        # variables the loss gives no gradient (None, as Keras passes it).
+        self.no_gradient = set()
         with self.strategy.scope():
             self.accumulators = [
                 tf.Variable(
@@ -135,21 +141,29 @@ class UpdateEngine:
                 micro.samples,
             ]
         )
-        grads = [_dense(g, v) for g, v in zip(grads, self.model.trainable_weights)]
         context = tf.distribute.get_replica_context()
         if self.steps == 1:
+            # Sparse gradients (an Embedding's IndexedSlices) reach the
+            # all-reduce and the optimizer as they are, as in stock Keras.
             context.merge_call(self._update_now, args=(grads, totals))
             return
+        # Accumulators are dense: a variable with no gradient keeps none.
+        self.no_gradient = {i for i, g in enumerate(grads) if g is None}
+        pairs = [
+            (acc, tf.convert_to_tensor(g))
+            for acc, g in zip(self.accumulators, grads)
+            if g is not None
+        ]
 
         # The first micro-batch of a group overwrites the accumulators, so
         # they never need zeroing (a zeros constant the size of the model).
         def start():
-            for acc, g in zip(self.accumulators, grads):
+            for acc, g in pairs:
                 acc.assign(g)
             self.group_totals.assign(totals)
 
         def add():
-            for acc, g in zip(self.accumulators, grads):
+            for acc, g in pairs:
                 acc.assign_add(g)
             self.group_totals.assign_add(totals)
 
@@ -176,14 +190,20 @@ class UpdateEngine:
         self.counters.assign(self.counters * [0, 1, 1])
 
     def _read(self):
-        grads = [acc.read_value() for acc in self.accumulators]
+        grads = [
+            None if i in self.no_gradient else acc.read_value()
+            for i, acc in enumerate(self.accumulators)
+        ]
         return self._reduce(grads, self.group_totals.read_value())
 
     def _reduce(self, grads, totals):
         """Replica context: the one all-reduce, then normalization and clipping."""
         context = tf.distribute.get_replica_context()
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads) + [totals])
-        grads, totals = reduced[:-1], reduced[-1]
+        present = [g for g in grads if g is not None]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, present + [totals])
+        totals = reduced[-1]
+        summed = iter(reduced[:-1])
+        grads = [None if g is None else next(summed) for g in grads]
         numerator, denominator, samples = tf.unstack(totals)
         divisor = None
         loss = numerator
@@ -194,9 +214,9 @@ class UpdateEngine:
             scale = tf.cast(self.loss_scale.dynamic_scale, denominator.dtype)
             divisor = scale if divisor is None else divisor * scale
         if divisor is not None:
-            grads = [tf.math.divide_no_nan(g, tf.cast(divisor, g.dtype)) for g in grads]
+            grads = [_divide(g, divisor) for g in grads]
         grads, loss = self._add_weight_regularization(grads, loss)
-        norm = tf.linalg.global_norm(grads)
+        norm = tf.linalg.global_norm([_summed_rows(g) for g in grads])
         # The norm is finite only if every gradient element is (a norm that
         # overflows float32 also counts as non-finite).
         finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(loss))
@@ -204,13 +224,15 @@ class UpdateEngine:
         return grads, (finite, norm, clipped, samples)
 
     def _add_weight_regularization(self, grads, loss):
+        if self.custom_loss:
+            return grads, loss
         variables = self.model.trainable_weights
         with tf.GradientTape() as tape:
             penalty = _loss.weight_regularization(self.model)
         if penalty is None:
             return grads, loss
         extra = tape.gradient(penalty, variables)
-        grads = [g if e is None else g + _dense(e, v) for g, e, v in zip(grads, extra, variables)]
+        grads = [_add(g, e) for g, e in zip(grads, extra)]
         return grads, loss + penalty
 
     def _clip(self, grads, norm):
@@ -220,14 +242,25 @@ class UpdateEngine:
             clipped, _ = tf.clip_by_global_norm(grads, limit, use_norm=norm)
             return clipped, tf.greater(norm, limit)
         if model.clipnorm is not None:
-            limit = model.clipnorm
-            norms = [tf.norm(g) for g in grads]
-            clipped = [tf.clip_by_norm(g, limit) for g in grads]
-            return clipped, tf.reduce_any(tf.greater(tf.stack(norms), limit))
+            limit = tf.constant(model.clipnorm, norm.dtype)
+            norms = [None if g is None else tf.norm(_summed_rows(g)) for g in grads]
+            clipped = [
+                None if g is None else _scale(g, limit / tf.maximum(n, limit))
+                for g, n in zip(grads, norms)
+            ]
+            over = [tf.greater(n, limit) for n in norms if n is not None]
+            return clipped, tf.reduce_any(tf.stack(over))
         if model.clipvalue is not None:
             limit = model.clipvalue
-            clipped = [tf.clip_by_value(g, -limit, limit) for g in grads]
-            over = [tf.reduce_any(tf.greater(tf.abs(g), limit)) for g in grads]
+            # Rows of a sparse gradient are summed first: the clip applies to
+            # the gradient's elements, not to each row's share of them.
+            grads = [_unique_slices(g) for g in grads]
+            clipped = [None if g is None else _clip_values(g, limit) for g in grads]
+            over = [
+                tf.reduce_any(tf.greater(tf.abs(_summed_rows(g)), limit))
+                for g in grads
+                if g is not None
+            ]
             return clipped, tf.reduce_any(tf.stack(over))
         return grads, tf.constant(False)
 
@@ -305,10 +338,53 @@ def _loss_scale_optimizer(optimizer):
     return None
 
 
-def _dense(grad, variable):
+def _unique_slices(grad):
+    """A sparse gradient with each row once (repeated rows summed)."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    rows, position = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(rows)[0])
+    return tf.IndexedSlices(values, rows, grad.dense_shape)
+
+
+def _summed_rows(grad):
+    """The values whose norm is the gradient's norm (None stays None)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return _unique_slices(grad).values
+    return grad
+
+
+def _scale(grad, factor):
+    if isinstance(grad, tf.IndexedSlices):
+        factor = tf.cast(factor, grad.values.dtype)
+        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
+def _divide(grad, divisor):
     if grad is None:
-        return tf.zeros(variable.shape, dtype=variable.dtype)
-    return tf.convert_to_tensor(grad)
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        values = tf.math.divide_no_nan(grad.values, tf.cast(divisor, grad.values.dtype))
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    return tf.math.divide_no_nan(grad, tf.cast(divisor, grad.dtype))
+
+
+def _clip_values(grad, limit):
+    if isinstance(grad, tf.IndexedSlices):
+        values = tf.clip_by_value(grad.values, -limit, limit)
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    return tf.clip_by_value(grad, -limit, limit)
+
+
+def _add(grad, extra):
+    """`grad + extra`, either of which may be None; a sum with a dense term is dense."""
+    if extra is None:
+        return grad
+    extra = tf.convert_to_tensor(extra)
+    if grad is None:
+        return extra
+    return tf.convert_to_tensor(grad) + extra
 
 
 def _nothing():

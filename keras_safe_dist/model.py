@@ -2,6 +2,7 @@
 
 import inspect
 import numbers
+import warnings
 
 import keras
 import tensorflow as tf
@@ -54,6 +55,12 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         skip_nonfinite: when the reduced gradient or loss is not finite, leave
             weights and optimizer state untouched and count a skipped update.
             Under a `LossScaleOptimizer` such updates are always skipped.
+        log_update_stats: add `grad_norm`, `clip_rate`, `skipped_updates` and
+            `samples_per_update` to the logs of every step and epoch (and so
+            to `History`, the progress bar and `train_on_batch`). Off by
+            default, so the logs hold the same keys as stock Keras; a
+            `Dashboard` or `NaNOnsetDetector` among `fit()`'s callbacks turns
+            it on for that `fit()`.
         *args, **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -76,8 +83,13 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if cls is SafeDistributedModel and _functional_arguments(args, kwargs):
-            return keras.Model.__new__(SafeDistributedFunctional, *args, **kwargs)
+        if _functional_arguments(args, kwargs):
+            if cls is SafeDistributedModel:
+                return keras.Model.__new__(SafeDistributedFunctional, *args, **kwargs)
+            # Keras makes a subclass functional by rewriting the bases of every
+            # class up to `keras.Model`, which would turn SafeDistributedModel
+            # itself functional for the whole process. Stop one class earlier.
+            _make_functional(cls)
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(
@@ -88,6 +100,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         clipnorm=None,
         clipvalue=None,
         skip_nonfinite=True,
+        log_update_stats=False,
         **kwargs,
     ):
         options = _validate_options(
@@ -96,6 +109,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             clipnorm,
             clipvalue,
             skip_nonfinite,
+            log_update_stats,
         )
         super().__init__(*args, **kwargs)
         self._set_options(options)
@@ -107,7 +121,12 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self.clipnorm = options["clipnorm"]
         self.clipvalue = options["clipvalue"]
         self.skip_nonfinite = options["skip_nonfinite"]
+        self.log_update_stats = options["log_update_stats"]
         self._update_engine = None
+        # Whether the step logs the update statistics: set by fit() from the
+        # option and the callbacks; the value the train function was built with.
+        self._stats_requested = self.log_update_stats
+        self._stats_logged = None
         # Set by fit() from a NaNOnsetDetector among the callbacks.
         self._nan_probe_request = None
         self._nan_probe = None
@@ -122,6 +141,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             clipnorm=self.clipnorm,
             clipvalue=self.clipvalue,
             skip_nonfinite=self.skip_nonfinite,
+            log_update_stats=self.log_update_stats,
         )
         return config
 
@@ -194,7 +214,24 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._update_engine = None
 
     def compile_from_config(self, config):
-        """Compiles a loaded model as it was saved (optimizer, loss, metrics)."""
+        """Compiles a loaded model as it was saved (optimizer, loss, metrics).
+
+        As in Keras, a subclass with its own `compile()` is not compiled: a
+        warning says to override `compile_from_config()` or to call
+        `compile()` after loading.
+        """
+        if type(self).compile is not SafeDistributedModel.compile:
+            warnings.warn(
+                "`compile()` was not called as part of model loading "
+                "because the model's `compile()` method is custom. "
+                "All subclassed Models that have `compile()` "
+                "overridden should also override "
+                "`get_compile_config()` and `compile_from_config(config)`. "
+                "Alternatively, you can "
+                "call `compile()` manually after loading.",
+                stacklevel=2,
+            )
+            return
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if self.built:
@@ -216,8 +253,19 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             kwargs["callbacks"] = self._with_epoch_callback(kwargs.get("callbacks"))
         return super().fit(*args, **kwargs)
 
-    def _with_epoch_callback(self, callbacks):
+    def train_on_batch(self, *args, **kwargs):
+        self._set_requests(None)
+        return super().train_on_batch(*args, **kwargs)
+
+    def _set_requests(self, callbacks):
+        """What the step adds to the logs, from the option and the callbacks."""
         self._nan_probe_request = _nan_probe.request_from(callbacks)
+        self._stats_requested = self.log_update_stats or _requests_update_stats(
+            callbacks
+        )
+
+    def _with_epoch_callback(self, callbacks):
+        self._set_requests(callbacks)
         callback = _EpochBoundary()
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callback.set_model(self)
@@ -230,15 +278,11 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         built = self._nan_probe.request if self._nan_probe is not None else None
         if built != self._nan_probe_request:
             force = True  # a NaNOnsetDetector was added or removed
+        if self._stats_logged != self._stats_requested:
+            force = True  # the update statistics were asked for, or no more
         if self.train_function is not None and not force:
             return self.train_function
-        if _compat.compute_loss_is_overridden(self):
-            raise TypeError(
-                f"{type(self).__name__} overrides `compute_loss()`, which "
-                "SafeDistributedModel cannot split into the per-sample sums it "
-                "accumulates. Pass a `keras.losses.Loss` to `compile()` and "
-                "use `add_loss()` for extra terms instead."
-            )
+        self._stats_logged = self._stats_requested
         with self.distribute_strategy.scope():
             if not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
@@ -282,15 +326,27 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     def _step(self, data, weight_terms=()):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         probe = self._nan_probe
+        engine = self._update_engine
         with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
-            contribution, objective = self._update_engine.objective(micro)
+            if _compat.call_has_training_arg(self):
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            if engine.custom_loss:
+                loss = _compat.compute_loss(self, x, y, y_pred, sample_weight)
+                micro = _loss.custom_loss(loss, y_pred, engine.steps > 1)
+            else:
+                micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
+            contribution, objective = engine.objective(micro)
         grads = tape.gradient(objective, self.trainable_weights)
-        self._update_engine.after_micro_batch(grads, contribution)
-        self._track_loss(micro)
+        engine.after_micro_batch(grads, contribution)
+        if engine.custom_loss:
+            self._track_custom_loss(loss, x)
+        else:
+            self._track_loss(micro)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        logs.update(self._update_engine.logs())
+        if self._stats_logged:
+            logs.update(engine.logs())
         if probe is not None:
             logs.update(
                 probe.logs((x, y, sample_weight), micro.numerator, grads, weight_terms)
@@ -303,9 +359,16 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         return logs
 
     def _update_log_names(self):
+        names = UpdateEngine.LOG_NAMES if self._stats_logged else ()
         if self._nan_probe is not None:
-            return UpdateEngine.LOG_NAMES + self._nan_probe.log_names
-        return UpdateEngine.LOG_NAMES
+            names += self._nan_probe.log_names
+        return names
+
+    def _track_custom_loss(self, loss, x):
+        # As stock Keras logs the value of an overridden compute_loss().
+        tracker = _compat.loss_tracker(self)
+        samples = tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
+        tracker.update_state(_compat.unscale_loss(loss), sample_weight=samples)
 
     def _track_loss(self, micro):
         penalty = _loss.weight_regularization(self)
@@ -328,6 +391,15 @@ class SafeDistributedFunctional(SafeDistributedModel, _compat.Functional):
     """The class `SafeDistributedModel(inputs=..., outputs=...)` returns."""
 
 
+# Legacy `.h5` files name a model's class without its package; register the
+# bare names too, so `keras.models.load_model("model.h5")` needs no
+# `custom_objects`, as for Keras's own models.
+keras.saving.get_custom_objects().update(
+    SafeDistributedModel=SafeDistributedModel,
+    SafeDistributedFunctional=SafeDistributedFunctional,
+)
+
+
 class _EpochBoundary(keras.callbacks.Callback):
     """Resets per-fit and per-epoch counters; applies a pending partial group.
 
@@ -345,7 +417,7 @@ class _EpochBoundary(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         engine = self.model._update_engine
-        if engine.flush() and logs is not None:
+        if engine.flush() and logs is not None and self.model._stats_logged:
             logs.update(
                 {name: float(value) for name, value in engine.logs().items()}
             )
@@ -357,6 +429,7 @@ _OPTION_DEFAULTS = {
     "clipnorm": None,
     "clipvalue": None,
     "skip_nonfinite": True,
+    "log_update_stats": False,
 }
 
 _FIT_CALLBACKS_POSITION = (
@@ -370,6 +443,7 @@ def _validate_options(
     clipnorm,
     clipvalue,
     skip_nonfinite,
+    log_update_stats,
 ):
     steps = _validate.integer_at_least(
         "gradient_accumulation_steps", gradient_accumulation_steps
@@ -399,15 +473,19 @@ def _validate_options(
             "Only one of `global_clipnorm`, `clipnorm` and `clipvalue` can be "
             f"set. Received: {received}"
         )
-    if not isinstance(skip_nonfinite, bool):
-        raise ValueError(
-            "`skip_nonfinite` must be True or False. "
-            f"Received: skip_nonfinite={skip_nonfinite!r}"
-        )
+    for name, value in (
+        ("skip_nonfinite", skip_nonfinite),
+        ("log_update_stats", log_update_stats),
+    ):
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"`{name}` must be True or False. Received: {name}={value!r}"
+            )
     return {
         "gradient_accumulation_steps": int(steps),
         **{name: None if v is None else float(v) for name, v in clips.items()},
         "skip_nonfinite": skip_nonfinite,
+        "log_update_stats": log_update_stats,
     }
 
 
@@ -425,6 +503,33 @@ def _check_optimizer(optimizer):
                     f"SafeDistributedModel(...) instead and leave it unset on "
                     f"the optimizer. Received optimizer: {candidate.name}"
                 )
+
+
+def _requests_update_stats(callbacks):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return any(
+        getattr(callback, "requests_update_stats", False) is True
+        for callback in keras.tree.flatten(callbacks or [])
+    )
+
+
+def _make_functional(cls):
+    """Puts `SafeDistributedFunctional` in place of `SafeDistributedModel`.
+
+    Rewrites the bases of `cls` and of its parents below SafeDistributedModel,
+    as Keras does for a subclass of `keras.Model` built with `inputs` and
+    `outputs`; SafeDistributedModel and classes outside its hierarchy are left
+    as they are.
+    """
+    if cls is SafeDistributedModel:
+        return SafeDistributedFunctional
+    if not issubclass(cls, SafeDistributedModel) or issubclass(
+        cls, SafeDistributedFunctional
+    ):
+        return cls
+    cls.__bases__ = tuple(_make_functional(base) for base in cls.__bases__)
+    return cls
 
 
 def _functional_arguments(args, kwargs):

@@ -44,6 +44,7 @@ def build(steps, clipnorm):
         model = SafeDistributedModel(
             inputs, keras.layers.Dense(1)(hidden),
             gradient_accumulation_steps=steps, global_clipnorm=clipnorm,
+            log_update_stats=True,
         )
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     return model

@@ -22,7 +22,11 @@ def mlp(inputs, regularizer=None):
 
 
 def twins(replicas, build, compile_kwargs, **options):
-    """A stock reference on one device and a SafeDistributedModel, same weights."""
+    """A stock reference on one device and a SafeDistributedModel, same weights.
+
+    The model logs its update statistics unless `log_update_stats=False`.
+    """
+    options.setdefault("log_update_stats", True)
     keras.utils.set_random_seed(7)
     inputs, outputs = build()
     reference = keras.Model(inputs, outputs)

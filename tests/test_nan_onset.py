@@ -398,7 +398,9 @@ def test_healthy_training_is_identical_with_and_without_detector(replicas):
     detector = NaNOnsetDetector(action="restore")
     history = fit(model, x, y, detector, epochs=2).history
     assert detector.report is None
-    assert history == expected
+    # The detector turns on the update statistics it reads; the rest is as without it.
+    assert set(history) - set(expected) == {"grad_norm", "clip_rate", "skipped_updates", "samples_per_update"}
+    assert {name: history[name] for name in expected} == expected
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     # A later fit without the detector drops the checks from the step.

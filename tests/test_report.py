@@ -133,7 +133,7 @@ def test_report_reads_a_nan_onset(tmp_path, capsys):
 def test_report_reads_keras_tensorboard_epoch_logs(tmp_path, capsys):
     with strategy_for(1).scope():
         inputs = keras.Input((3,))
-        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs), log_update_stats=True)
         model.compile(optimizer="sgd", loss="mse")
     history = model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[keras.callbacks.TensorBoard(str(tmp_path))])
     report = read_log_dir(str(tmp_path))

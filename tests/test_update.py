@@ -23,7 +23,9 @@ def dense_twins(replicas, optimizer, stock_optimizer, **options):
     stock.compile(optimizer=stock_optimizer(), loss="mse")
     with strategy_for(replicas).scope():
         inputs = keras.Input((4,))
-        model = SafeDistributedModel(inputs, keras.layers.Dense(2, activation="tanh")(inputs), **options)
+        model = SafeDistributedModel(
+            inputs, keras.layers.Dense(2, activation="tanh")(inputs), log_update_stats=True, **options
+        )
         model.compile(optimizer=optimizer(), loss="mse")
         model.set_weights(stock.get_weights())
     return stock, model

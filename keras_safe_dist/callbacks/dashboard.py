@@ -54,6 +54,10 @@ class Dashboard(keras.callbacks.Callback):
     hook. With a plain `keras.Model`, whose logs lack these values, only the
     layout is written. Only the chief writes.
 
+    With a `SafeDistributedModel`, adding this callback to `fit()` turns on
+    its `log_update_stats` for that `fit()`: the statistics also appear in
+    `History` and the progress bar.
+
     Args:
         log_dir: the TensorBoard log directory (the run is its root).
 
@@ -64,6 +68,9 @@ class Dashboard(keras.callbacks.Callback):
     # tensorboard --logdir logs  ->  "Custom Scalars" tab
     ```
     """
+
+    # Read by SafeDistributedModel.fit(): log the update statistics.
+    requests_update_stats = True
 
     def __init__(self, log_dir):
         super().__init__()

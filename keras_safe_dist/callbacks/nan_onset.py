@@ -110,6 +110,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self.max_consecutive_skips = max_consecutive_skips
         self.report = None
 
+    # Read by SafeDistributedModel.fit(): the detector reads `grad_norm` and
+    # `skipped_updates` from the logs, so they are logged during its fit().
+    requests_update_stats = True
+
     def nan_probe_request(self):
         """What `SafeDistributedModel.fit` builds into its train step for this detector."""
         return _nan_probe.ProbeRequest(
