@@ -175,3 +175,53 @@ def test_tensorflow_batch_hooks_run_synchronously_on_python_logs():
     model.compile(optimizer="sgd", loss="mse")
     model.fit(np.ones((4, 2)), np.ones((4, 1)), batch_size=2, verbose=0, callbacks=[Probe()])
     assert seen == [(float, True), (float, True)]
+
+
+def test_compute_loss_wrapper_and_training_arg_flag():
+    class Doubled(keras.Model):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+            # No `training` argument: Keras's wrapper still calls it.
+            return 2.0 * keras.ops.mean((y - y_pred) ** 2)
+
+    inputs = keras.Input((2,))
+    model = Doubled(inputs, keras.layers.Dense(1)(inputs))
+    y = np.ones((4, 1), "float32")
+    loss = _compat.compute_loss(model, None, y, np.zeros((4, 1), "float32"), None)
+    assert float(loss) == 2.0
+    assert _compat.call_has_training_arg(model) is True
+
+    class NoTraining(keras.Model):
+        def call(self, x):
+            return x
+
+    assert _compat.call_has_training_arg(NoTraining()) is False
+
+
+def test_unscale_loss_undoes_keras_scaling_under_a_strategy():
+    with strategy_for(2).scope():
+        assert float(_compat.unscale_loss(tf.constant(1.5))) == 3.0
+    assert float(_compat.unscale_loss(tf.constant(1.5))) == 1.5
+
+
+def test_dataset_specs_give_one_replica_share_with_unknown_batch():
+    strategy = strategy_for(2)
+    data = tf.data.Dataset.from_tensor_slices(
+        ({"x": np.ones((6, 3), "float32")}, np.ones((6, 1), "int32"))
+    ).batch(4)
+    spec = strategy.experimental_distribute_dataset(data).element_spec
+    specs = tf.nest.map_structure(_compat._spec_tensor, spec)
+    assert specs[0]["x"].shape == (None, 3) and specs[0]["x"].dtype == "float32"
+    assert specs[1].shape == (None, 1) and specs[1].dtype == "int32"
+    optional = tf.OptionalSpec(tf.TensorSpec((None, 2), tf.float32))
+    assert _compat._spec_tensor(optional).shape == (None, 2)
+    assert _compat._spec_tensor(tf.OptionalSpec(tf.type_spec_from_value(None))) is None
+    sparse = _compat._spec_tensor(tf.SparseTensorSpec([None, 5], tf.float32))
+    assert sparse.sparse and sparse.shape == (None, 5)
+
+
+def test_tf_epoch_iterator_exposes_its_distributed_dataset():
+    iterator = tf_trainer.TFEpochIterator(
+        x=np.ones((4, 2), "float32"), batch_size=2, distribute_strategy=strategy_for(2)
+    )
+    spec = iterator._get_iterator().element_spec
+    assert _compat._spec_tensor(spec).shape == (None, 2)
