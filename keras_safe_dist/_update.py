@@ -117,7 +117,17 @@ class UpdateEngine:
         Without accumulation the update's denominator is known before the
         backward pass (one scalar all-reduce), so the loss is divided there
         and the gradients need no division after their all-reduce. Returns
-        the micro-batch loss, divided in that case, and the objective.
+        the micro-batch loss, divided in that case, the objective, and the
+        factor the gradients are multiplied by before they are accumulated
+        (None for none).
+
+        With accumulation under a loss scale, the objective is the scaled
+        numerator divided by an estimate of the group's denominator (this
+        replica's denominator x replicas x steps), so the float16 gradients
+        have the magnitude they have in stock Keras for one big batch instead
+        of overflowing; the float32 gradients are multiplied back by the
+        estimate, which the division after the all-reduce then replaces with
+        the exact denominator.
         """
         if self.steps == 1 and micro.denominator is not None:
             context = tf.distribute.get_replica_context()
@@ -127,12 +137,30 @@ class UpdateEngine:
                 denominator=None,
             )
         objective = micro.numerator
+        restore = None
         if self.loss_scale is not None:
+            if self.steps > 1:
+                restore = self._group_denominator_estimate(micro)
+                objective = objective / restore
             objective = self.loss_scale.scale_loss(objective)
-        return micro, objective
+        return micro, objective, restore
 
-    def after_micro_batch(self, grads, micro):
-        """Called in replica context once the micro-batch gradient is known."""
+    def _group_denominator_estimate(self, micro):
+        if micro.denominator is None:
+            return tf.ones(())
+        replicas = self.strategy.num_replicas_in_sync
+        estimate = micro.denominator * float(replicas * self.steps)
+        # An empty share or all-zero weights: the numerator is 0 as well.
+        return tf.where(estimate > 0, estimate, tf.ones_like(estimate))
+
+    def after_micro_batch(self, grads, micro, restore=None):
+        """Called in replica context once the micro-batch gradient is known.
+
+        Args:
+            grads: the gradients of the objective, one per trainable variable.
+            micro: the micro-batch loss `objective()` returned.
+            restore: the factor `objective()` returned, or None.
+        """
         self.normalized = micro.denominator is not None
         totals = tf.stack(
             [
@@ -150,7 +178,7 @@ class UpdateEngine:
         # Accumulators are dense: a variable with no gradient keeps none.
         self.no_gradient = {i for i, g in enumerate(grads) if g is None}
         pairs = [
-            (acc, tf.convert_to_tensor(g))
+            (acc, _restored(tf.convert_to_tensor(g), restore))
             for acc, g in zip(self.accumulators, grads)
             if g is not None
         ]
@@ -336,6 +364,10 @@ def _loss_scale_optimizer(optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
     return None
+
+
+def _restored(grad, factor):
+    return grad if factor is None else grad * tf.cast(factor, grad.dtype)
 
 
 def _unique_slices(grad):

@@ -337,9 +337,9 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                 micro = _loss.custom_loss(loss, y_pred, engine.steps > 1)
             else:
                 micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
-            contribution, objective = engine.objective(micro)
+            contribution, objective, restore = engine.objective(micro)
         grads = tape.gradient(objective, self.trainable_weights)
-        engine.after_micro_batch(grads, contribution)
+        engine.after_micro_batch(grads, contribution, restore)
         if engine.custom_loss:
             self._track_custom_loss(loss, x)
         else:

@@ -150,3 +150,39 @@ def test_jit_compile_on_one_device():
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert model.jit_compile is True
     assert relative_error(stock.get_weights(), model.get_weights()) < TOLERANCE
+
+
+def _conv_classifier(float32_output):
+    inputs = keras.Input((28, 28, 1))
+    hidden = keras.layers.Flatten()(keras.layers.Conv2D(8, 3)(inputs))
+    dtype = "float32" if float32_output else None
+    return inputs, keras.layers.Dense(10, activation="softmax", dtype=dtype)(hidden)
+
+
+@pytest.mark.parametrize("float32_output", [False, True], ids=["float16_output", "float32_output"])
+def test_mixed_float16_accumulation_scales_gradients_as_stock(replicas, float32_output):
+    keras.config.set_dtype_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(96, 28, 28, 1)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 10, size=96), 10)
+    fit_kwargs = dict(epochs=1, shuffle=False, verbose=0)
+    if float32_output:
+        fit_kwargs["class_weight"] = {k: 1.0 + k / 10 for k in range(10)}
+    keras.utils.set_random_seed(1)
+    stock = keras.Model(*_conv_classifier(float32_output))
+    stock.compile(optimizer=keras.optimizers.SGD(0.01), loss="categorical_crossentropy")
+    with strategy_for(replicas).scope():
+        keras.utils.set_random_seed(1)
+        model = SafeDistributedModel(*_conv_classifier(float32_output), gradient_accumulation_steps=4, log_update_stats=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="categorical_crossentropy")
+        model.set_weights(stock.get_weights())
+    scales = []
+    for _ in range(2):
+        stock.fit(x, y, batch_size=32, **fit_kwargs)
+        history = model.fit(x, y, batch_size=8, **fit_kwargs).history
+        scales.append((float(stock.optimizer.dynamic_scale.numpy()), float(model.optimizer.dynamic_scale.numpy())))
+    # Keras's default initial scale: no update overflows, on either side.
+    assert int(model.optimizer.iterations.numpy()) == int(stock.optimizer.iterations.numpy()) == 6
+    assert history["skipped_updates"] == [0.0]
+    assert [ours for ours, _ in scales] == [theirs for _, theirs in scales]
+    assert relative_error(stock.get_weights(), model.get_weights()) < 2e-3
