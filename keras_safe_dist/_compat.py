@@ -143,7 +143,9 @@ class TrainerOverrides:
     """Replacements for two private `keras.Model` methods that `fit()` calls.
 
     A class using this mixin implements `_update_log_names()`, the names its
-    `train_step` adds to the logs besides the metrics.
+    `train_step` adds to the logs besides the metrics, and
+    `_end_epoch_steps(logs)`, called when an epoch's steps are done, before
+    Keras reads the epoch's logs, runs validation or calls `on_epoch_end`.
     """
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -166,6 +168,9 @@ class TrainerOverrides:
             self._symbolic_build(data_batch=specs)
 
     def _get_metrics_result_or_logs(self, logs):
+        # Keras calls this once an epoch's steps are done, before validation
+        # and the epoch-end callbacks.
+        logs = self._end_epoch_steps(logs)
         # Keras replaces an epoch's last-step logs (each a mean of per-replica
         # results) with the metrics read across replicas, but only when the
         # keys match exactly. Keep that exact read with extra log names.

@@ -43,6 +43,8 @@ class UpdateEngine:
         # Set while the train step is traced: indexes of the trainable
         # variables the loss gives no gradient (None, as Keras passes it).
         self.no_gradient = set()
+        # Between `begin_epoch()` and `end_epoch()`.
+        self.epoch_open = False
         with self.strategy.scope():
             self.accumulators = [
                 tf.Variable(
@@ -80,9 +82,20 @@ class UpdateEngine:
         self.stats.assign(tf.zeros([len(_STATS)]))
 
     def begin_epoch(self, steps):
+        self.epoch_open = True
         steps = -1 if steps is None else int(steps)
         self.counters.assign(self.counters * [1, 0, 0] + [0, 0, steps])
         self.stats.assign(self.stats * _KEPT_ACROSS_EPOCHS)
+
+    def end_epoch(self):
+        """Applies the epoch's pending partial group, once per epoch.
+
+        Returns whether one was pending.
+        """
+        if not self.epoch_open:
+            return False
+        self.epoch_open = False
+        return self.flush()
 
     def flush(self):
         """Applies a partially filled group; returns whether one was pending."""
@@ -108,6 +121,16 @@ class UpdateEngine:
             "skipped_updates": stats[_STATS.index("skipped_updates")],
             "samples_per_update": stats[_STATS.index("samples_per_update")],
         }
+
+    def first_skip(self):
+        """`(update index, samples)` of the epoch's first skipped update, or None.
+
+        Reads the counters on the host (one small read).
+        """
+        stats = dict(zip(_STATS, self.stats.numpy().tolist()))
+        if stats["skipped_in_epoch"] == 0:
+            return None
+        return int(stats["first_skip"]) - 1, int(stats["first_skip_samples"])
 
     # In-graph logic.
 
@@ -320,12 +343,20 @@ class UpdateEngine:
             applied = apply_update()
         old = tf.unstack(self.stats.read_value())
         new = dict(zip(_STATS, old))
+        skipped = 1.0 - applied
+        # The first skip of the epoch: its index among the epoch's updates
+        # (stored + 1, so that 0 means none) and its samples.
+        first = skipped * tf.cast(tf.equal(new["skipped_in_epoch"], 0.0), tf.float32)
         new.update(
             grad_norm=norm,
             samples_per_update=samples,
             updates_in_epoch=new["updates_in_epoch"] + applied,
             clipped_in_epoch=new["clipped_in_epoch"] + applied * tf.cast(clipped, tf.float32),
-            skipped_updates=new["skipped_updates"] + (1.0 - applied),
+            skipped_updates=new["skipped_updates"] + skipped,
+            skipped_in_epoch=new["skipped_in_epoch"] + skipped,
+            first_skip=new["first_skip"]
+            + first * (new["updates_in_epoch"] + new["skipped_in_epoch"] + 1.0),
+            first_skip_samples=new["first_skip_samples"] + first * samples,
         )
         self.stats.assign(tf.stack([new[name] for name in _STATS]))
 
@@ -339,8 +370,11 @@ _STATS = (
     "updates_in_epoch",
     "clipped_in_epoch",
     "skipped_updates",
+    "skipped_in_epoch",
+    "first_skip",
+    "first_skip_samples",
 )
-_KEPT_ACROSS_EPOCHS = [1.0, 1.0, 0.0, 0.0, 1.0]
+_KEPT_ACROSS_EPOCHS = [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def _grow_loss_scale(optimizer):

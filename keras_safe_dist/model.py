@@ -323,6 +323,43 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             logs = self._xla_step(data)
         return probe.with_weight_flags(logs, weight_terms)
 
+    def test_step(self, data):
+        """Stock `test_step`, with the loss of each batch as one device sees it.
+
+        Stock Keras averages each replica's loss with its sample count, which
+        mis-weights it when a batch splits unevenly (by sample weights, or
+        by a mask, or by `mean_with_sample_weight`). Here the replicas
+        all-reduce their loss numerator and denominator (two scalars), so
+        each batch's loss is the one-device value, weighted by its samples.
+        """
+        if (
+            _compat.compute_loss_is_overridden(self)
+            or _compat.compile_loss(self) is None
+        ):
+            return super().test_step(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if _compat.call_has_training_arg(self):
+            y_pred = self(x, training=False)
+        else:
+            y_pred = self(x)
+        micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
+        context = tf.distribute.get_replica_context()
+        denominator = micro.denominator
+        if denominator is None:
+            denominator = tf.zeros(())
+        numerator, denominator = tf.unstack(
+            context.all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.stack([micro.numerator, denominator])
+            )
+        )
+        if micro.denominator is not None:
+            numerator = tf.math.divide_no_nan(numerator, denominator)
+        penalty = _loss.weight_regularization(self)
+        if penalty is not None:
+            numerator += penalty
+        _compat.loss_tracker(self).update_state(numerator, sample_weight=micro.samples)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
     def _step(self, data, weight_terms=()):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         probe = self._nan_probe
@@ -356,6 +393,17 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             # `strategy.reduce("MEAN", value, axis=0)`, which needs rank >= 1;
             # the reduced value is a scalar again.
             logs = keras.tree.map_structure(lambda v: tf.reshape(v, [1]), logs)
+        return logs
+
+    def _end_epoch_steps(self, logs):
+        # A partial group pending at the end of an epoch (one of unknown
+        # length, or stopped early) is applied here, before validation and the
+        # epoch-end callbacks read the weights.
+        engine = self._update_engine
+        if engine is None or not engine.end_epoch():
+            return logs
+        if self._stats_logged and isinstance(logs, dict):
+            logs = {**logs, **{k: float(v) for k, v in engine.logs().items()}}
         return logs
 
     def _update_log_names(self):
@@ -401,26 +449,59 @@ keras.saving.get_custom_objects().update(
 
 
 class _EpochBoundary(keras.callbacks.Callback):
-    """Resets per-fit and per-epoch counters; applies a pending partial group.
+    """Resets per-fit and per-epoch counters.
 
     With a known number of steps the last micro-batch of an epoch already
-    applies its partial group in-graph; this callback catches the rest (an
-    epoch of unknown length, or one stopped early). It overrides no batch
-    hook, so Keras keeps dispatching batches asynchronously.
+    applies its partial group in-graph; the rest (an epoch of unknown length,
+    or one stopped early) is applied when Keras collects the epoch's logs,
+    before validation (`SafeDistributedModel._end_epoch_steps`), or at the
+    latest here. It overrides no batch hook, so Keras keeps dispatching
+    batches asynchronously.
     """
 
     def on_train_begin(self, logs=None):
         self.model._update_engine.begin_fit()
+        self.warned = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model._update_engine.begin_epoch(self.params.get("steps"))
 
     def on_epoch_end(self, epoch, logs=None):
-        engine = self.model._update_engine
-        if engine.flush() and logs is not None and self.model._stats_logged:
+        model = self.model
+        engine = model._update_engine
+        if engine.end_epoch() and logs is not None and model._stats_logged:
             logs.update(
                 {name: float(value) for name, value in engine.logs().items()}
             )
+        # Loss-scale overflows are routine; a NaNOnsetDetector reports skips
+        # itself. Otherwise one small read per epoch.
+        if (
+            self.warned
+            or not model.skip_nonfinite
+            or engine.loss_scale is not None
+            or model._nan_probe is not None
+        ):
+            return
+        first = engine.first_skip()
+        if first is not None:
+            self.warned = True
+            warnings.warn(_skip_message(epoch, *first, engine.steps), stacklevel=2)
+
+
+def _skip_message(epoch, update, samples, steps):
+    if steps == 1:
+        where = f"batch {update}"
+    else:
+        first = update * steps
+        where = f"update {update} (micro-batches {first} to {first + steps - 1})"
+    return (
+        f"SafeDistributedModel skipped a non-finite update at epoch {epoch}, "
+        f"{where}: the gradient or loss of its {samples} samples was NaN or "
+        "infinite, so they did not change the weights. Further skips in this "
+        "fit() are counted without a warning (`skipped_updates` with "
+        "`log_update_stats=True`). To find where the non-finite value began, "
+        "add keras_safe_dist.callbacks.NaNOnsetDetector() to fit()'s callbacks."
+    )
 
 
 _OPTION_DEFAULTS = {

@@ -238,3 +238,58 @@ def test_activity_regularizer_matches_one_big_batch(replicas):
 
     reference, model = twins(replicas, build, sgd_mse, gradient_accumulation_steps=3)
     assert_matches_big_batch(reference, model, x, y, 10, 3)
+
+
+def _unknown_length(x, y, batch):
+    # A filter hides the dataset's length from Keras.
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).filter(lambda *_: True)
+
+
+def test_validation_sees_the_weights_after_the_partial_group(replicas):
+    x, y, _ = regression_data(88)
+    x_val, y_val, _ = regression_data(20, seed=1)
+    _, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=4)
+    # 11 micro-batches: two groups of 4 and a partial group of 3 at the end.
+    history = model.fit(
+        _unknown_length(x, y, 8), epochs=1, verbose=0, validation_data=(x_val, y_val)
+    ).history
+    assert int(model.optimizer.iterations.numpy()) == 3
+    assert history["samples_per_update"] == [24.0]
+    expected = model.evaluate(x_val, y_val, verbose=0)
+    assert history["val_loss"][0] == pytest.approx(expected, rel=1e-6)
+
+
+def test_checkpoint_after_a_partial_group_holds_the_final_weights(replicas, tmp_path):
+    x, y, _ = regression_data(88)
+    _, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=4)
+    path = str(tmp_path / "last.weights.h5")
+    saver = keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+    model.fit(_unknown_length(x, y, 8), epochs=1, verbose=0, callbacks=[saver])
+    saved = model.get_weights()
+    model.load_weights(path)
+    assert relative_error(saved, model.get_weights()) == 0.0
+
+
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "mean_with_sample_weight", "sum"])
+@pytest.mark.parametrize("batch", [32, 5, 64])
+def test_evaluate_equals_one_device_for_any_split(replicas, reduction, batch):
+    x, y, w = regression_data(65)
+
+    def compile_kwargs():
+        return dict(
+            optimizer="sgd",
+            loss=keras.losses.MeanSquaredError(reduction=reduction),
+            metrics=["mae"],
+            weighted_metrics=["mse"],
+        )
+
+    def regularized():
+        inputs = keras.Input((4,))
+        return inputs, mlp(inputs, regularizer=keras.regularizers.L2(0.01))
+
+    reference, model = twins(replicas, regularized, compile_kwargs)
+    expected = reference.evaluate(x, y, sample_weight=w, batch_size=batch, verbose=0, return_dict=True)
+    results = model.evaluate(x, y, sample_weight=w, batch_size=batch, verbose=0, return_dict=True)
+    assert sorted(results) == sorted(expected)
+    for name, value in expected.items():
+        assert results[name] == pytest.approx(value, rel=1e-6), name

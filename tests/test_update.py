@@ -1,5 +1,7 @@
 """Clipping after the all-reduce, non-finite skipping, one all-reduce per update, loss scaling."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -186,3 +188,40 @@ def test_mixed_float16_accumulation_scales_gradients_as_stock(replicas, float32_
     assert history["skipped_updates"] == [0.0]
     assert [ours for ours, _ in scales] == [theirs for _, theirs in scales]
     assert relative_error(stock.get_weights(), model.get_weights()) < 2e-3
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_first_skipped_update_of_a_fit_warns_once(replicas, steps):
+    x, y, _ = regression_data(64, outputs=2)
+    x[20, 1] = np.nan  # in micro-batch 2
+    _, model = dense_twins(replicas, lambda: keras.optimizers.SGD(0.1), lambda: keras.optimizers.SGD(0.1),
+                           gradient_accumulation_steps=steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    messages = [str(w.message) for w in caught if "skipped a non-finite update" in str(w.message)]
+    where = "batch 2" if steps == 1 else "update 1 (micro-batches 2 to 3)"
+    samples = 8 * steps
+    assert messages == [
+        f"SafeDistributedModel skipped a non-finite update at epoch 0, {where}: the gradient or loss of its "
+        f"{samples} samples was NaN or infinite, so they did not change the weights. Further skips in this fit() "
+        "are counted without a warning (`skipped_updates` with `log_update_stats=True`). To find where the "
+        "non-finite value began, add keras_safe_dist.callbacks.NaNOnsetDetector() to fit()'s callbacks."
+    ]
+    assert history["skipped_updates"] == [1.0, 2.0]
+    assert np.isfinite(np.concatenate([w.ravel() for w in model.get_weights()])).all()
+
+
+def test_healthy_fit_and_loss_scale_overflows_do_not_warn():
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y, _ = regression_data(64, outputs=2)
+    _, model = dense_twins(
+        1,
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**40),
+        lambda: keras.optimizers.SGD(0.1),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
+    assert history["skipped_updates"][0] > 0  # overflows of the initial scale
+    assert not [w for w in caught if "skipped a non-finite update" in str(w.message)]
