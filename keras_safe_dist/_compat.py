@@ -126,6 +126,11 @@ def keras_mask(tensor):
     return _keras_backend.get_keras_mask(tensor)
 
 
+def set_keras_mask(tensor, mask):
+    """Attaches a Keras mask to `tensor`."""
+    _keras_backend.set_keras_mask(tensor, mask)
+
+
 def redirect_backup(callback, directory):
     """Points a `keras.callbacks.BackupAndRestore` at another directory."""
     callback.backup_dir = directory

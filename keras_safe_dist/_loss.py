@@ -94,6 +94,17 @@ def custom_loss(value, y_pred, accumulate):
     return MicroBatchLoss(_compat.unscale_loss(value) * samples, samples, samples)
 
 
+def kept(micro, keep):
+    """`micro` multiplied by `keep` (1.0, or 0.0 for an empty share), or as is for None."""
+    if keep is None:
+        return micro
+    return MicroBatchLoss(
+        micro.numerator * keep,
+        None if micro.denominator is None else micro.denominator * keep,
+        micro.samples * keep,
+    )
+
+
 def weight_regularization(model):
     """Sum of the weight regularization penalties, or None if there are none."""
     penalties = [
@@ -217,9 +228,13 @@ class _RecordingLoss:
                 True,
                 1,
             )
+        # Keras returns an empty batch's values unreduced (shape (0,)) when
+        # the shape is static, as in eager mode: the sum makes it a scalar.
         numerator = ops.cast(
-            _compat.reduce_weighted_values(
-                values, sample_weight, mask, "sum", fn.dtype
+            ops.sum(
+                _compat.reduce_weighted_values(
+                    values, sample_weight, mask, "sum", fn.dtype
+                )
             ),
             "float32",
         )

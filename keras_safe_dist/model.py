@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import _nan_probe
+from keras_safe_dist import _shares
 from keras_safe_dist import _validate
 from keras_safe_dist._update import UpdateEngine
 from keras_safe_dist.audits import scope as _scope
@@ -323,6 +324,22 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             logs = self._xla_step(data)
         return probe.with_weight_flags(logs, weight_terms)
 
+    def _forward(self, x, training):
+        """`(y_pred, keep)`: the forward pass, guarded against an empty share."""
+
+        def call(inputs):
+            if _compat.call_has_training_arg(self):
+                return self(inputs, training=training)
+            return self(inputs)
+
+        return _shares.EmptyShareGuard(self).forward(x, call)
+
+    def predict_step(self, data):
+        """Stock `predict_step`, also on a replica whose share is empty."""
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred, _ = self._forward(x, training=False)
+        return y_pred
+
     def test_step(self, data):
         """Stock `test_step`, with the loss of each batch as one device sees it.
 
@@ -338,11 +355,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         ):
             return super().test_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if _compat.call_has_training_arg(self):
-            y_pred = self(x, training=False)
-        else:
-            y_pred = self(x)
-        micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
+        y_pred, keep = self._forward(x, training=False)
+        micro = _loss.kept(_loss.micro_batch_loss(self, y, y_pred, sample_weight), keep)
         context = tf.distribute.get_replica_context()
         denominator = micro.denominator
         if denominator is None:
@@ -365,15 +379,13 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         probe = self._nan_probe
         engine = self._update_engine
         with tf.GradientTape() as tape:
-            if _compat.call_has_training_arg(self):
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
+            y_pred, keep = self._forward(x, training=True)
             if engine.custom_loss:
                 loss = _compat.compute_loss(self, x, y, y_pred, sample_weight)
                 micro = _loss.custom_loss(loss, y_pred, engine.steps > 1)
             else:
                 micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
+            micro = _loss.kept(micro, keep)
             contribution, objective, restore = engine.objective(micro)
         grads = tape.gradient(objective, self.trainable_weights)
         engine.after_micro_batch(grads, contribution, restore)

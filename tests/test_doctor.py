@@ -17,6 +17,7 @@ from keras_safe_dist.doctor.probe import Side
 from keras_safe_dist.doctor.probe import measure
 from keras_safe_dist.doctor.probe import one_line
 from keras_safe_dist.doctor.probes import clipping
+from keras_safe_dist.doctor.probes import empty_share
 from keras_safe_dist.doctor.probes import identity_nan
 from keras_safe_dist.doctor.probes import multi_worker
 from keras_safe_dist.doctor.probes import nonfinite
@@ -35,6 +36,7 @@ NAMES = [
     "uneven-accumulation",
     "uneven-replica-split",
     "uneven-first-batch",
+    "empty-share",
     "multi-worker-fit",
     "identity-nan",
     "sum-aggregation",
@@ -81,6 +83,12 @@ def test_uneven_first_batch_probe_stock_crashes_building_the_model():
     assert stock.ok is False
     assert stock.figure.startswith("InvalidArgumentError: Inputs to operation AddN")
     assert safe.ok is True and safe.figure <= TOLERANCE
+
+
+def test_empty_share_probe_stock_breaks_batch_norm_statistics_of_the_empty_replica():
+    stock, safe = run(empty_share)
+    assert stock == Side(False, 1)
+    assert safe == Side(True, 0)
 
 
 def test_multi_worker_probe_stock_cannot_fit_safe_matches_one_device():
@@ -184,7 +192,7 @@ def test_table_shows_versions_cells_verdicts_and_summary():
 
 
 def test_json_report_replaces_non_finite_figures():
-    result = doctor.Result(doctor.PROBES[6], Side(False, float("nan")), Side(True, 1.0), 0.5)
+    result = doctor.Result(doctor.PROBES[7], Side(False, float("nan")), Side(True, 1.0), 0.5)
     data = doctor.to_json({"python": "3.11"}, 2, [result])
     assert data["probes"][0]["stock"] == {"ok": False, "figure": "nan"}
     assert json.loads(json.dumps(data)) == data
@@ -238,6 +246,6 @@ def test_doctor_json_run_passes_every_probe_for_safe_distributed_model():
             assert isinstance(probe[side]["figure"], (int, float, str))
         assert probe["safe"]["ok"] is True, probe
     # Progress goes to stderr, one line before and after each probe.
-    assert "[9/9] nonfinite-skip: fixed" in process.stderr
+    assert "[10/10] nonfinite-skip: fixed" in process.stderr
     defects = [p["name"] for p in report["probes"] if p["stock"]["ok"] is False]
     assert defects == [name for name in NAMES if name != "identity-nan"]

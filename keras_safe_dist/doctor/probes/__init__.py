@@ -1,6 +1,7 @@
 """The doctor's probes, one module per known defect, in the order they run."""
 
 from keras_safe_dist.doctor.probes import clipping
+from keras_safe_dist.doctor.probes import empty_share
 from keras_safe_dist.doctor.probes import identity_nan
 from keras_safe_dist.doctor.probes import multi_worker
 from keras_safe_dist.doctor.probes import nonfinite
@@ -18,6 +19,7 @@ PROBES = (
     uneven_accumulation.PROBE,
     uneven_split.PROBE,
     uneven_first_batch.PROBE,
+    empty_share.PROBE,
     multi_worker.PROBE,
     identity_nan.PROBE,
     sum_aggregation.PROBE,
