@@ -112,6 +112,10 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             skip_nonfinite,
             log_update_stats,
         )
+        if _functional_arguments(args, kwargs):
+            # A subclass whose own `__init__` builds inputs and outputs and
+            # passes them on: made functional here rather than by Keras.
+            _make_functional(type(self))
         super().__init__(*args, **kwargs)
         self._set_options(options)
         self._safe_dist_built_at = _scope.creation_site()

@@ -97,6 +97,34 @@ def test_functional_subclass_leaves_the_class_hierarchy_alone():
     assert again.output_shape == (None, 2)
 
 
+def test_subclass_passing_its_own_inputs_and_outputs_leaves_the_hierarchy_alone():
+    bases = SafeDistributedModel.__bases__
+
+    class BuildsItself(SafeDistributedModel):
+        def __init__(self, **kwargs):
+            inputs = keras.Input((4,))
+            super().__init__(inputs=inputs, outputs=keras.layers.Dense(1)(inputs), **kwargs)
+
+    x, y, _ = regression_data(8)
+    model = BuildsItself(gradient_accumulation_steps=2)
+    assert isinstance(model, SafeDistributedFunctional)
+    assert model.gradient_accumulation_steps == 2
+    assert SafeDistributedModel.__bases__ == bases
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+
+    class Plain(SafeDistributedModel):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    assert Plain()(x).shape == (8, 1)
+
+
 def _doubled_loss(base):
     class DoubledLoss(base):
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
