@@ -234,7 +234,10 @@ def find_regressions(stock, swapped):
 
 
 def report(files, stock, swapped, seconds):
-    """Prints the per-file table, the regressions and the common failures; returns unexpected regressions."""
+    """Prints the per-file table, the regressions and the common failures.
+
+    Returns the unexpected regressions and the number of tests that pass in both copies.
+    """
     def passed(results, file=None):
         return sum(1 for test_id, (outcome, _) in results.items()
                    if outcome == "passed" and (file is None or test_id.startswith(file + "::")))
@@ -259,7 +262,9 @@ def report(files, stock, swapped, seconds):
     stale = sorted(set(EXPECTED_DIFFERENCES) - set(regressions))
     if stale:
         print(f"\nEXPECTED_DIFFERENCES that no longer differ (remove them): {', '.join(stale)}")
-    return unexpected
+    kept = sum(1 for test_id, (outcome, _) in stock.items()
+               if outcome == "passed" and swapped.get(test_id, ("",))[0] == "passed")
+    return unexpected, kept
 
 
 def _chosen_files(args):
@@ -302,12 +307,14 @@ def main(argv=None):
     except SetupError as error:
         print(f"conformance setup failed: {error}", file=sys.stderr)
         return 2
-    unexpected = report(files, stock, swapped, seconds)
+    unexpected, kept = report(files, stock, swapped, seconds)
     print(f"\nWall time {time.monotonic() - start:.0f} s for both runs.")
     if args.keep:
         print(f"Kept {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
+    # Tests passing stock and swapped, and unexpected regressions.
+    print(f"conformance: {kept} passed, {len(unexpected)} failed")
     return 1 if unexpected else 0
 
 
