@@ -2,23 +2,33 @@
 
 `NaNOnsetDetector` asks for them; the model builds a `NaNProbe` with its train
 function. Each step, every replica reduces what it can see to scalar terms.
-Before the forward pass, the first replica of each worker takes one `l2_loss`
-per trainable weight, which checks the weights the previous update produced
-(the reads overlap the forward pass instead of trailing the update; a
-worker's replicas hold identical copies). After it, every replica adds one
-`reduce_sum` per floating input (`x`, `y`, `sample_weight` of its share), its
-micro-batch loss and, with gradient accumulation, one `l2_loss` per local
-gradient (to name the micro-batch). Each of the three flags is one float32
-total of its terms, checked with one `is_finite`: a flag is raised when one of
-its tensors holds a NaN or an infinity, or when a sum overflows float32 (a
-tensor's, or the flag's total of them). The arithmetic uses only kernels the
-train step already runs: a kernel the step runs nowhere else costs far more
-than its arithmetic (on a CPU, a `where` and a segment reduction took 20 to 30
-microseconds a step, mostly cold code). The update's
-reduced gradient norm is checked on the host from the step's `grad_norm` log;
-the last update of an epoch (and the epoch-end flush of a partial
-accumulation group) is checked by the detector at the epoch end, with
-`WeightCheck`.
+Before the forward pass, the first replica of each worker checks the trainable
+weights, which the previous update produced (the reads overlap the forward
+pass instead of trailing the update; a worker's replicas hold identical
+copies). After it, every replica checks its share of the inputs (`x`, `y`,
+`sample_weight`), its micro-batch loss and, with gradient accumulation, one
+`l2_loss` per local gradient (to name the micro-batch).
+
+The weights and the inputs are values a user may legitimately make huge, so
+their checks report only NaNs and infinities: a float32 `reduce_sum` per
+tensor and their total is the fast path (a sum is finite only if every
+element is), and only when the total is not finite, which a NaN, an infinity
+or a float32 overflow makes it, a `tf.cond` confirms with an exact
+`reduce_all(is_finite(...))` per tensor. The result is one term, 0 or NaN,
+that cannot overflow the flag's total. The loss and local gradient terms are
+the test the update applies to its reduced gradient norm (a squared norm that
+overflows float32 counts as non-finite, and the update is skipped). Each of
+the three flags is one float32 total of its terms, checked with one
+`is_finite`. The fast path uses kernels the train step already runs (the
+condition's `Switch` and `Merge` too, when the update's own `tf.cond` skips
+non-finite updates): a kernel the step runs nowhere else costs far more than
+its arithmetic (on a CPU, a `where` and a segment reduction took 20 to 30
+microseconds a step, mostly cold code). Summing `x * 0` instead, which cannot
+overflow, costs one more pass over every tensor each step; the condition was
+cheaper. The update's reduced gradient norm is checked on the host from the
+step's `grad_norm` log; the last update of an epoch (and the epoch-end flush
+of a partial accumulation group) is checked by the detector at the epoch end,
+with `WeightCheck`.
 
 The flags leave the step as one log entry, which Keras MEAN-reduces across
 replicas; each replica scales its entry by the number of replicas first, so
@@ -34,8 +44,9 @@ the reduced value is an exact sum:
 - `applied_updates` (for `action="continue"` only): updates applied so far
   this epoch.
 
-No extra collective, no host round trip and no control flow: the values
-travel with the logs Keras already returns. Every replica also assigns its
+No extra collective and no host round trip: the values travel with the logs
+Keras already returns (the only control flow is the exact checks' `tf.cond`,
+in replica context and without a collective). Every replica also assigns its
 share of the batch to replica-local variables each step (TensorFlow shares
 the batch's buffer; nothing is copied), so after the step that fired the
 detector holds that batch and can replay it. XLA cannot change a variable's
@@ -55,7 +66,6 @@ its slots per step, and two copies' worth of memory.
 from typing import NamedTuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_safe_dist import _update
@@ -145,26 +155,46 @@ def entry_dtype(num_replicas):
 
 
 def inputs_nonfinite(tensors):
-    """Whether a floating input holds a non-finite value.
-
-    Also true when a sum overflows float32: an input's, or the total of them,
-    as for the in-step inputs flag.
-    """
-    return _nonfinite_sum([_input_terms(tensors)], [1.0], tf.float32) > 0
+    """Whether a floating input holds a NaN or an infinity (large finite values do not count)."""
+    return _nonfinite_sum([[_finite_flag(_input_values(tensors))]], [1.0], tf.float32) > 0
 
 
 def tensor_nonfinite(tensor):
-    """Whether a gradient or weight holds a non-finite value (or its squared norm overflows).
+    """Whether a gradient holds a non-finite value (or its squared norm overflows).
 
     The same test as the update's reduced gradient norm.
     """
     return _nonfinite_sum([_tensor_terms([tensor])], [1.0], tf.float32) > 0
 
 
-def _input_term(tensor):
+def _sum_term(tensor):
     if tensor.dtype == tf.float16:
         tensor = tf.cast(tensor, tf.float32)  # a float16 sum overflows past 65504
     return tf.cast(tf.reduce_sum(tensor), tf.float32)
+
+
+# Kept under its old name for benchmarks/bench_nan_variants.py.
+_input_term = _sum_term
+
+
+def _finite_flag(tensors):
+    """0.0 when every element of `tensors` is finite, NaN otherwise; never a false NaN.
+
+    Fast path: the float32 total of one sum per tensor. A sum is finite only
+    if every element is, so a finite total settles it. A non-finite total
+    (a NaN, an infinity, or finite values whose sum overflows float32) is
+    confirmed element by element, in the branch that runs only then. The
+    condition holds no collective, so it is safe in replica context.
+    """
+    if not tensors:
+        return tf.zeros(())
+    total = _total([_sum_term(t) for t in tensors])
+    return tf.cond(tf.math.is_finite(total), lambda: tf.zeros(()), lambda: _exact_flag(tensors))
+
+
+def _exact_flag(tensors):
+    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
+    return 0.0 / tf.cast(finite, tf.float32)  # 0 / 1 or 0 / 0
 
 
 def _tensor_term(tensor):
@@ -227,7 +257,8 @@ class NaNProbe:
 
         Assigns this replica's share of the batch to the capture variables
         (TensorFlow shares the batch's buffer: nothing is copied; a no-op for
-        sparse, ragged or non-numeric inputs). Then takes the weights' terms,
+        sparse, ragged or non-numeric inputs). Then takes the weights' term
+        (`_finite_flag`: 0, or NaN when a weight holds a NaN or an infinity),
         reading the weights before the update. A worker's replicas hold
         identical copies of the weights, so only its first replica checks
         them. With `action="restore"`, also copies the weights and optimizer
@@ -236,7 +267,8 @@ class NaNProbe:
         These small ops run one after another (control dependencies), so that
         TensorFlow's executor runs them as one task instead of dispatching each
         read and assignment to its thread pool: on a CPU that dispatch costs
-        more than the ops. The weights are all read before the first sum.
+        more than the ops. The weights are all read before the first sum; the
+        exact check, when the sums call for it, reads the same values.
         Called outside an XLA-compiled step, which cannot change a variable's
         shape; there the copies share buffers, and the compiled step runs
         after the check.
@@ -258,7 +290,9 @@ class NaNProbe:
             chain.add(lambda v=v: tf.convert_to_tensor(v))
             for v in _floating(self.model.trainable_weights)
         ]
-        return [chain.add(lambda t=t: _tensor_term(t)) for t in reads]
+        if not reads:
+            return []
+        return [chain.add(lambda: _finite_flag(reads))]
 
     def logs(self, data, loss_numerator, grads, weight_terms):
         """After the update: the flags as log entries.
@@ -270,8 +304,8 @@ class NaNProbe:
             weight_terms: what `begin_step` returned, or () when the weights'
                 flag is added after the step (`with_weight_flags`).
         """
-        flat = keras.tree.flatten(data)
-        inputs = _input_terms(flat)
+        values = _input_values(keras.tree.flatten(data))
+        inputs = [_finite_flag(values)] if values else []
         fired = [tf.cast(loss_numerator, tf.float32)] + inputs
         if self.check_local_gradients:
             fired += _tensor_terms(grads)
@@ -344,7 +378,9 @@ class WeightCheck:
 
     def __init__(self, variables):
         self.variables = _floating(variables)
-        self.function = tf.function(lambda: tf.stack(_tensor_terms(self.variables)))
+        self.function = tf.function(
+            lambda: _finite_each([tf.convert_to_tensor(v) for v in self.variables])
+        )
 
     @classmethod
     def of(cls, model):
@@ -366,8 +402,18 @@ class WeightCheck:
         """Paths of the variables holding a non-finite value, in order."""
         if not self.variables:
             return []
-        terms = self.function().numpy()
-        return [v.path for v, term in zip(self.variables, terms) if not np.isfinite(term)]
+        finite = self.function().numpy()
+        return [v.path for v, ok in zip(self.variables, finite) if not ok]
+
+
+def _finite_each(tensors):
+    """Per tensor, whether every element is finite: the sums first, exact if one is not."""
+    totals = tf.stack([_sum_term(t) for t in tensors])
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(totals)),
+        lambda: tf.ones([len(tensors)], tf.bool),
+        lambda: tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]),
+    )
 
 
 def _floating(variables):
@@ -412,9 +458,10 @@ def _capture_layout(specs):
     return names, structure
 
 
-def _input_terms(tensors):
+def _input_values(tensors):
+    """The floating inputs' dense values (a sparse or ragged tensor's stored values)."""
     values = (_dense_values(t) for t in tensors if t is not None)
-    return [_input_term(t) for t in values if t.dtype.is_floating]
+    return [t for t in values if t.dtype.is_floating]
 
 
 def _dense_values(tensor):
@@ -443,16 +490,16 @@ def _nonfinite_sum(groups, scales, dtype):
     kernels the train step already runs (`add`, `stack`, `sum`, `cast`, `mul`),
     no `where` or segment reduction.
     """
-    totals = []
-    for group in groups:
-        if not group:
-            totals.append(tf.zeros(()))  # an empty group is finite
-        elif len(group) <= 2:  # one add is cheaper than a stack and a sum
-            totals.append(sum(group[1:], group[0]))
-        else:
-            totals.append(tf.reduce_sum(tf.stack(group)))
+    # An empty group is finite.
+    totals = [_total(group) if group else tf.zeros(()) for group in groups]
     finite = tf.cast(tf.math.is_finite(tf.stack(totals)), dtype)
     return sum(scales) - tf.reduce_sum(finite * tf.constant(scales, dtype))
+
+
+def _total(terms):
+    if len(terms) <= 2:  # one add is cheaper than a stack and a sum
+        return sum(terms[1:], terms[0])
+    return tf.reduce_sum(tf.stack(terms))
 
 
 def _local(initial, shape=None):

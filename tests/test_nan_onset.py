@@ -408,6 +408,94 @@ def test_healthy_training_is_identical_with_and_without_detector(replicas):
     assert model._nan_probe is None
 
 
+def large(x):
+    """Values in [2.5e37, 3e37]: finite, but 16 of them overflow a float32 sum."""
+    x = np.abs(x)
+    return (2.5e37 + 0.5e37 * x / x.max()).astype("float32")
+
+
+class Huge(keras.layers.Layer):
+    """x * mean(w / 3e37) = x, with `w` sixteen values of 3e37: finite, but its sum overflows."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(16,), initializer=keras.initializers.Constant(3e37), name="w")
+
+    def call(self, inputs):
+        return inputs * tf.reduce_mean(self.w / 3e37)
+
+
+def fit_stock(x, y, epochs, first=None):
+    """Stock keras.Model on one device: its history and weights."""
+    model = build(1, keras.Model, first=first)
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0).history
+    return history, model.get_weights()
+
+
+def test_large_finite_inputs_whose_sum_overflows_train_as_stock_keras(replicas):
+    x, y = data()
+    x = large(x)
+    # Each replica's share of a batch sums to infinity in float32.
+    assert np.isinf(tf.reduce_sum(x[: BATCH // replicas]).numpy())
+    model = build(replicas)
+    detector = NaNOnsetDetector()
+    history = fit(model, x, y, detector, epochs=2).history
+    assert detector.report is None
+    assert history["skipped_updates"] == [0.0, 0.0]
+    expected, weights = fit_stock(x, y, epochs=2)
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=TOLERANCE)
+    assert_weights_close(weights, model.get_weights())
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_nonfinite_input_among_large_finite_inputs_is_reported_at_its_batch(replicas, value):
+    x, y = data()
+    x = large(x)
+    x[37, 2] = value  # batch 4, row 5: the second replica's share with 2 replicas
+    model = build(replicas)
+    detector = NaNOnsetDetector()
+    history = fit(model, x, y, detector, epochs=2).history
+    report = detector.report
+    replica = 1 if replicas == 2 else 0
+    # With 2 replicas the first share (large, finite, its sum infinite) is not named.
+    assert (report["epoch"], report["batch"], report["kind"]) == (0, 4, "inputs")
+    assert (report["replica"], report["replicas"]) == (replica, [replica])
+    assert [h["batch"] for h in report["history"]] == [0, 1, 2, 3, 4]
+    assert history["skipped_updates"] == [1.0] and len(history["loss"]) == 1
+
+
+def test_huge_finite_weight_is_not_reported_and_an_infinity_among_huge_values_is(replicas):
+    x, y = data()
+    model = build(replicas, first=Huge(name="huge"))
+    detector = NaNOnsetDetector()
+    history = fit(model, x, y, detector, epochs=2).history
+    # Checked before every step and at each epoch end; its sum and squared norm overflow.
+    assert detector.report is None
+    assert history["skipped_updates"] == [0.0, 0.0]
+    expected, weights = fit_stock(x, y, epochs=2, first=Huge(name="huge"))
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=TOLERANCE)
+    assert_weights_close(weights, model.get_weights())
+    model.get_layer("huge").w.assign(np.array([3e37] * 15 + [np.inf], np.float32))
+    detector = NaNOnsetDetector()
+    fit(model, x, y, detector)
+    report = detector.report
+    assert (report["epoch"], report["batch"], report["step"], report["kind"]) == (0, 0, 0, "weights")
+    assert report["variables"] == ["huge/w"]
+
+
+def test_step_compiled_with_xla_passes_huge_finite_inputs_and_weights_and_finds_a_nan():
+    x, y = data()
+    x = large(x)
+    x[45, 0] = np.nan  # batch 5
+    model = build(1, first=Huge(name="huge"), jit_compile=True)
+    detector = NaNOnsetDetector()
+    fit(model, x, y, detector)
+    report = detector.report
+    assert model._xla_step is not None
+    assert (report["batch"], report["kind"], report["replicas"]) == (5, "inputs", [0])
+    assert [h["batch"] for h in report["history"]] == [0, 1, 2, 3, 4, 5]
+    assert all(np.isfinite(h["loss"]) for h in report["history"][:-1])
+
+
 def test_continue_skips_nonfinite_updates_then_stops_after_too_many_in_a_row(capsys):
     x, y = data()
     for batch in (1, 4, 5, 6):
@@ -488,13 +576,25 @@ def test_probe_entry_is_exact_sum_of_flagged_groups():
         assert float(_nan_probe._nonfinite_sum([[], [tf.constant(1.0)] * 3], [1.0, 2.0], dtype)) == 0.0
 
 
-def test_checks_count_overflowing_sums_as_nonfinite():
+def test_input_and_weight_checks_count_only_nan_and_inf_and_gradient_checks_count_overflow():
+    # Inputs: a sum that overflows float32 is confirmed element by element.
     assert not bool(_nan_probe.inputs_nonfinite([np.array([3e38, -3e38], np.float32)]))
-    assert bool(_nan_probe.inputs_nonfinite([np.array([3e38, 3e38], np.float32)]))
+    assert not bool(_nan_probe.inputs_nonfinite([np.array([3e38, 3e38], np.float32)]))
+    assert not bool(_nan_probe.inputs_nonfinite([np.full((2, 3), 3e37, np.float32)] * 3))
+    assert bool(_nan_probe.inputs_nonfinite([np.array([3e38, 3e38, np.inf], np.float32)]))
+    assert bool(_nan_probe.inputs_nonfinite([np.full((4,), 3e38, np.float32), np.array([np.nan])]))
     assert bool(_nan_probe.inputs_nonfinite([np.array([1.0, np.nan], np.float32)]))
+    assert bool(_nan_probe.inputs_nonfinite([np.array([-np.inf, np.inf], np.float32)]))
     assert not bool(_nan_probe.inputs_nonfinite([np.array([2**31 - 1, 1], np.int32)]))
-    assert not bool(_nan_probe.inputs_nonfinite([np.full((1000,), 100.0, np.float16)]))  # sums in float32
-    # Gradients and weights: the squared norm, as for the update's gradient norm.
+    assert not bool(_nan_probe.inputs_nonfinite([np.full((1000,), 6e4, np.float16)]))  # sums in float32
+    assert bool(_nan_probe.inputs_nonfinite([np.array([6e4, np.inf], np.float16)]))
+    assert not bool(_nan_probe.inputs_nonfinite([np.array([3e38, 3e38], np.float64)]))
+    # Weights: likewise, per variable.
+    values = {"a": [1e20] * 4, "b": [3e37] * 16, "c": [3e37] * 15 + [np.inf], "d": [np.nan, 1.0]}
+    variables = [keras.Variable(np.array(v, np.float32), name=n) for n, v in values.items()]
+    assert _nan_probe.WeightCheck([keras.Variable([1.0, 2.0]), *variables[:2]])() == []
+    assert _nan_probe.WeightCheck(variables)() == ["c", "d"]
+    # Gradients: the squared norm, as for the update's gradient norm (the update is skipped).
     assert not bool(_nan_probe.tensor_nonfinite(np.full((4,), 1e18, np.float32)))
     assert bool(_nan_probe.tensor_nonfinite(np.full((4,), 1e20, np.float32)))
     assert bool(_nan_probe.tensor_nonfinite(np.array([0.0, -np.inf], np.float16)))

@@ -28,9 +28,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     the inputs (`x`, `y`, `sample_weight`) and its loss (with gradient
     accumulation, also its gradients), and keeps its share of the batch in a
     replica-local variable. The result travels with the step's logs as one
-    scalar (no extra collective, no extra host round trip, no control flow;
-    Keras's TensorFlow trainer already turns the logs into Python numbers
-    before any batch hook). The epoch's last update is checked at the epoch
+    scalar (no extra collective, no extra host round trip; Keras's TensorFlow
+    trainer already turns the logs into Python numbers before any batch
+    hook). Large finite inputs and weights are not reported: only NaNs and
+    infinities are. The epoch's last update is checked at the epoch
     end, with one compiled function. On the first step that fires, the
     detector replays the firing replica's share once, eagerly, checking every
     layer's output (unless the weights were already non-finite: that is
