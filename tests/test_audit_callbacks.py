@@ -334,3 +334,32 @@ def test_aggregation_audit_warns_once_when_it_reports_again_after_the_first_epoc
     # Reported again at step 1: the first step built the metric.
     assert scalar_series(read_events(str(tmp_path)), "audits/aggregation/error") == [(0, 1.0), (1, 1.0)]
     assert audit.report.codes() == ("AGG003",)
+
+
+@pytest.mark.parametrize("cls", [keras.Model, SafeDistributedModel], ids=["stock", "safe"])
+def test_audits_are_silent_beside_every_keras_callback_and_ours(tmp_path, replicas, cls):
+    # A correct setup from Keras's and TensorFlow's guides, with the callbacks
+    # users add: the audits, set to raise, find nothing in it.
+    model = build(strategy_for(replicas), keras.layers.Dense(4), keras.layers.Dense(1), cls=cls)
+    logs = str(tmp_path / "logs")
+    audits = [
+        callbacks.ScopeAudit(log_dir=logs, on_finding="raise"),
+        callbacks.AggregationAudit(log_dir=logs, on_finding="raise"),
+        callbacks.TrainingModeAudit(log_dir=logs, on_finding="raise"),
+    ]
+    others = [
+        callbacks.NaNOnsetDetector(log_dir=logs),
+        callbacks.Dashboard(logs),
+        callbacks.MultiWorkerBackupAndRestore(str(tmp_path / "backup")),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), save_best_only=True, monitor="loss"),
+        keras.callbacks.EarlyStopping(monitor="loss", patience=5),
+        keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1),
+        keras.callbacks.TensorBoard(logs),
+    ]
+    fit(model, *audits, *others, epochs=3)
+    assert [a.report.summary() for a in audits] == [
+        "scope audit: 0 errors, 0 warnings, 0 info",
+        "aggregation audit: 0 errors, 0 warnings, 0 info",
+        "training_mode audit: 0 errors, 0 warnings, 0 info",
+    ]
+    assert int(model.optimizer.iterations.numpy()) == 12
