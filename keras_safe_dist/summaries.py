@@ -79,15 +79,26 @@ def _write_json(log_dir, filename, data):
     return path
 
 
+# One writer per log directory for the life of the process. A writer per
+# write made one event file per write; TensorBoard reads a directory's event
+# files in name order, which within a second is not the order they were
+# written, and drops the steps it then sees "go back".
+_WRITERS = {}
+
+
 class _writer:
-    """A file writer that is flushed and closed on exit."""
+    """The log directory's file writer; flushed on exit, kept open for the next write."""
 
     def __init__(self, log_dir):
-        self._writer = tf.summary.create_file_writer(log_dir)
+        key = os.path.abspath(log_dir)
+        writer = _WRITERS.get(key)
+        if writer is None or not os.path.isdir(key):
+            # New, or its directory was removed since: start a new file.
+            writer = _WRITERS[key] = tf.summary.create_file_writer(log_dir)
+        self._writer = writer
 
     def __enter__(self):
         return self._writer
 
     def __exit__(self, *exc):
         self._writer.flush()
-        self._writer.close()

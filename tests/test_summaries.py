@@ -1,0 +1,33 @@
+"""Reports written into a log directory read back in the order they were written."""
+
+import os
+
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+
+from keras_safe_dist import summaries
+
+
+def test_writes_to_one_log_dir_share_one_event_file_in_step_order(tmp_path):
+    log_dir = str(tmp_path)
+    for step in range(5):
+        summaries.write_scalars(log_dir, {"audits/x/error": float(step)}, step=step)
+    files = [name for name in os.listdir(log_dir) if name.startswith("events.out.tfevents")]
+    assert len(files) == 1
+    # TensorBoard's default reader drops steps that go back: all must survive.
+    events = event_accumulator.EventAccumulator(log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    written = [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors("audits/x/error")]
+    assert written == [(step, float(step)) for step in range(5)]
+
+
+def test_a_removed_log_dir_is_written_again(tmp_path):
+    log_dir = str(tmp_path / "run")
+    summaries.write_scalars(log_dir, {"a": 1.0}, step=0)
+    for name in os.listdir(log_dir):
+        os.remove(os.path.join(log_dir, name))
+    os.rmdir(log_dir)
+    summaries.write_scalars(log_dir, {"a": 2.0}, step=1)
+    events = event_accumulator.EventAccumulator(log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors("a")] == [1]
