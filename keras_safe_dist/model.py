@@ -247,9 +247,16 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
 
         Raises:
             ScopeError: when the model, the optimizer, the loss scale or a
-                metric was built outside the strategy that trains the model.
+                metric was built outside the strategy that trains the model,
+                or `fit()` is called inside another strategy's scope.
+            ValueError: when a `tf.SparseTensor` input would leave a replica
+                an empty share of the last batch, which TensorFlow's input
+                pipeline cannot split.
         """
         _scope.check_scope("SafeDistributedModel.fit()", self)
+        _check_sparse_split(
+            self.distribute_strategy.num_replicas_in_sync, *_fit_data(args, kwargs)
+        )
         position = _FIT_CALLBACKS_POSITION
         args = list(args)
         if len(args) > position:
@@ -600,6 +607,33 @@ def _check_optimizer(optimizer):
                     f"SafeDistributedModel(...) instead and leave it unset on "
                     f"the optimizer. Received optimizer: {candidate.name}"
                 )
+
+
+def _fit_data(args, kwargs):
+    """`(x, batch_size)` as `fit()` received them."""
+    names = ("x", "y", "batch_size")
+    given = dict(zip(names, args))
+    return kwargs.get("x", given.get("x")), kwargs.get("batch_size", given.get("batch_size"))
+
+
+def _check_sparse_split(replicas, x, batch_size):
+    sparse = [t for t in keras.tree.flatten(x) if isinstance(t, tf.SparseTensor)]
+    if replicas < 2 or not sparse:
+        return
+    samples = int(sparse[0].dense_shape[0])
+    batch_size = 32 if batch_size is None else int(batch_size)
+    last = samples % batch_size
+    if 0 < last < replicas:
+        raise ValueError(
+            f"The last batch of this fit() holds {last} sample(s) for {replicas} "
+            "replicas, so a replica would get an empty share of a "
+            "tf.SparseTensor input, which TensorFlow's input pipeline cannot "
+            "split (stock Keras fails with 'Serialized sparse should have at "
+            f"least 1 serialized tensor'). Received: {samples} samples, "
+            f"batch_size={batch_size}. Choose a batch_size that leaves at "
+            f"least {replicas} samples in the last batch, or drop the "
+            f"remainder (e.g. train on the first {samples - last} samples)."
+        )
 
 
 def _requests_update_stats(callbacks):

@@ -94,3 +94,20 @@ def test_batch_normalization_keeps_finite_statistics_and_every_update():
     assert history["skipped_updates"] == [0.0, 0.0]
     assert np.isfinite(history["val_loss"]).all()
     assert np.isfinite(model.predict(x, batch_size=BATCH, verbose=0)).all()
+
+
+def test_sparse_input_that_would_leave_a_share_empty_is_refused_with_the_fix():
+    x, y = data((4,))
+    with mirrored_strategy().scope():
+        inputs = keras.Input((4,), sparse=True)
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    sparse = tf.sparse.from_dense(x)
+    with pytest.raises(ValueError, match=(
+        r"The last batch of this fit\(\) holds 1 sample\(s\) for 2 replicas.*"
+        r"Received: 65 samples, batch_size=32.*first 64 samples"
+    )):
+        model.fit(sparse, y, batch_size=BATCH, verbose=0)
+    first = tf.sparse.slice(sparse, [0, 0], [64, 4])
+    history = model.fit(first, y[:64], batch_size=BATCH, epochs=1, verbose=0).history
+    assert np.isfinite(history["loss"]).all()
