@@ -219,7 +219,7 @@ class UpdateEngine:
             self.group_totals.assign_add(totals)
 
         tf.cond(tf.equal(self.counters[0], 0), start, add)
-        context.merge_call(self._maybe_update)
+        context.merge_call(self._maybe_update, args=(totals,))
 
     def _update_now(self, strategy, grads, totals):
         prepared = strategy.extended.call_for_each_replica(
@@ -227,8 +227,14 @@ class UpdateEngine:
         )
         self._apply_or_skip(strategy, *prepared)
 
-    def _maybe_update(self, strategy):
-        group, step, steps_per_epoch = tf.unstack(self.counters.assign_add([1, 1, 0]))
+    def _maybe_update(self, strategy, totals):
+        # The count waits for this micro-batch's data. Keras calls the train
+        # function once more on an exhausted dataset of unknown length; that
+        # call fails in `get_next`, and a count that did not wait for it would
+        # still run and add a micro-batch that never was.
+        with tf.control_dependencies(strategy.experimental_local_results(totals)):
+            counts = self.counters.assign_add([1, 1, 0])
+        group, step, steps_per_epoch = tf.unstack(counts)
         complete = tf.logical_or(
             tf.greater_equal(group, self.steps), tf.equal(step, steps_per_epoch)
         )

@@ -293,3 +293,15 @@ def test_evaluate_equals_one_device_for_any_split(replicas, reduction, batch):
     assert sorted(results) == sorted(expected)
     for name, value in expected.items():
         assert results[name] == pytest.approx(value, rel=1e-6), name
+
+
+@pytest.mark.parametrize("samples", [80, 75])
+def test_unknown_length_with_groups_that_divide_the_batches_is_exact(replicas, samples):
+    # 10 micro-batches, groups of 2: Keras's extra call on the exhausted
+    # dataset must not count as a micro-batch.
+    x, y, _ = regression_data(samples)
+    reference, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=2)
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model.fit(_unknown_length(x, y, 8), epochs=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
