@@ -11,6 +11,7 @@ import os
 import keras
 import tensorflow as tf
 from keras.src import backend as _keras_backend
+from keras.src.backend.tensorflow import trainer as _keras_tf_trainer
 from keras.src.losses import loss as _keras_loss
 from keras.src.models.functional import Functional
 from keras.src.trainers import trainer as _keras_trainer
@@ -172,6 +173,21 @@ class TrainerOverrides:
         with strategy.scope():
             self._symbolic_build(data_batch=specs)
 
+    def _make_function(self, step_function):
+        # Keras runs `steps_per_execution` steps in a while loop with a
+        # `tf.cond` per step that calls a nested `tf.function` holding
+        # `strategy.run`; under MirroredStrategy that fails ("You must feed a
+        # value for placeholder tensor"). Calling `strategy.run` directly in
+        # the loop works, merge calls included.
+        strategy = self.distribute_strategy
+        if (
+            self.steps_per_execution == 1
+            or strategy.num_replicas_in_sync == 1
+            or self.run_eagerly
+        ):
+            return super()._make_function(step_function)
+        return _multi_step_function(strategy, step_function, self.steps_per_execution)
+
     def _get_metrics_result_or_logs(self, logs):
         # Keras calls this once an epoch's steps are done, before validation
         # and the epoch-end callbacks.
@@ -186,6 +202,72 @@ class TrainerOverrides:
             result.update({name: logs[name] for name in names})
             return result
         return super()._get_metrics_result_or_logs(logs)
+
+
+def _multi_step_function(strategy, step_function, steps):
+    """A train or test function running up to `steps` steps per call on several replicas.
+
+    Returns the last step's logs, as Keras's own does; raises `StopIteration`
+    when the iterator had no batch left (Keras then ends the epoch). Every
+    replica (and worker) sees the same `has_value()`, so all take the same
+    branch.
+    """
+
+    def one_step(data):
+        data = keras.tree.map_structure(
+            lambda i: None if isinstance(i, tf.experimental.Optional) else i, data
+        )
+        outputs = strategy.run(step_function, args=(data,))
+        return _keras_tf_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
+
+    def multi_step(iterator):
+        first = iterator.get_next_as_optional()
+        traced = []
+
+        def run_first():
+            logs = one_step(first.get_value())
+            traced.append(logs)
+            return tf.constant(True), logs
+
+        def no_batch():
+            return tf.constant(False), tf.nest.map_structure(_zeros_like_spec, traced[0])
+
+        ran, logs = tf.cond(first.has_value(), run_first, no_batch)
+
+        def body(i, logs, more):
+            following = iterator.get_next_as_optional()
+            logs = tf.cond(
+                following.has_value(), lambda: one_step(following.get_value()), lambda: logs
+            )
+            return i + 1, logs, following.has_value()
+
+        _, logs, _ = tf.while_loop(
+            lambda i, logs, more: tf.logical_and(more, i < steps),
+            body,
+            (tf.constant(1), logs, ran),
+        )
+        return ran, logs
+
+    multi_step = tf.function(multi_step, reduce_retracing=True, autograph=False)
+    single_step = tf.function(one_step, reduce_retracing=True, autograph=False)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            ran, logs = multi_step(iterator)
+            if not ran:  # one host read per call, as Keras's own has_value()
+                raise StopIteration
+            return logs
+        # train_on_batch / test_on_batch pass a generator of one batch.
+        for data in iterator:
+            logs = single_step(data)
+        return logs
+
+    return function
+
+
+def _zeros_like_spec(tensor):
+    shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
+    return tf.zeros([0 if d is None else d for d in shape], tensor.dtype)
 
 
 def train_data_specs(model):

@@ -177,8 +177,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                 built outside the strategy that trains the model.
             ValueError: when the optimizer carries `clipnorm`,
                 `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`;
-                or, on several replicas, for `jit_compile=True` or
-                `steps_per_execution > 1`.
+                or, on several replicas, for `jit_compile=True`; or for
+                `steps_per_execution > 1` under MultiWorkerMirroredStrategy.
         """
         own = _compat.model_strategy(self)
         if own is not None and not tf.distribute.has_strategy():
@@ -207,14 +207,15 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                     "'auto', or train on one replica."
                 )
             self.jit_compile = False
-        if self.steps_per_execution > 1 and replicas > 1:
+        if self.steps_per_execution > 1 and isinstance(
+            self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy
+        ):
             raise ValueError(
-                "SafeDistributedModel supports `steps_per_execution` > 1 only "
-                "on a single replica: TensorFlow cannot run the cross-replica "
-                "update inside the while loop Keras builds for it (stock Keras "
-                "fails the same way with a LossScaleOptimizer). Received: "
-                f"steps_per_execution={self.steps_per_execution} with "
-                f"{replicas} replicas. Use steps_per_execution=1."
+                "SafeDistributedModel does not yet run `steps_per_execution` > 1 "
+                "under MultiWorkerMirroredStrategy (it does on one machine, "
+                "under MirroredStrategy). Received: "
+                f"steps_per_execution={self.steps_per_execution}. Use "
+                "steps_per_execution=1."
             )
         self._update_engine = None
 

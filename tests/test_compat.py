@@ -225,3 +225,11 @@ def test_tf_epoch_iterator_exposes_its_distributed_dataset():
     )
     spec = iterator._get_iterator().element_spec
     assert _compat._spec_tensor(spec).shape == (None, 2)
+
+
+def test_trainer_builds_its_step_functions_through_make_function():
+    # SafeDistributedModel's multi-step function replaces this one method.
+    assert parameters(tf_trainer.TensorFlowTrainer._make_function) == ["self", "step_function"]
+    assert parameters(tf_trainer.reduce_per_replica) == ["values", "strategy", "reduction"]
+    source = inspect.getsource(tf_trainer.TensorFlowTrainer.make_train_function)
+    assert "self._make_function(self.train_step)" in source

@@ -74,13 +74,6 @@ def test_compile_rejects_optimizer_side_clipping_and_accumulation(optimizer, rea
     assert "to SafeDistributedModel(...) instead" in str(error.value)
 
 
-def test_steps_per_execution_with_two_replicas_is_refused():
-    with strategy_for(2).scope():
-        model = functional()
-        with pytest.raises(ValueError, match="Received: steps_per_execution=3 with 2 replicas"):
-            model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
-
-
 def test_jit_compile_with_two_replicas_is_refused_and_auto_turns_off():
     with strategy_for(2).scope():
         model = functional()

@@ -196,14 +196,53 @@ def test_dataset_of_unknown_length_applies_partial_group_at_epoch_end(replicas):
     assert int(model.optimizer.iterations.numpy()) == 2 * 3
 
 
-def test_steps_per_execution_on_one_replica():
-    x, y, _ = regression_data(50)
+@pytest.mark.parametrize("execution", [3, 4])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_steps_per_execution_matches_one_big_batch(replicas, execution, steps):
+    # 75 samples in micro-batches of 8: 10 micro-batches, the last of 3
+    # samples (split 2/1 on two replicas); the last execution is partial.
+    x, y, w = regression_data(75)
 
     def compile_kwargs():
-        return dict(sgd_mse(), steps_per_execution=2)
+        return dict(sgd_mse(), steps_per_execution=execution)
 
-    reference, model = twins(1, simple, compile_kwargs, gradient_accumulation_steps=3)
-    assert_matches_big_batch(reference, model, x, y, 8, 3)
+    reference, model = twins(replicas, simple, compile_kwargs, gradient_accumulation_steps=steps)
+    assert_matches_big_batch(reference, model, x, y, 8, steps, sample_weight=w)
+    assert int(model.optimizer.iterations.numpy()) == 2 * -(-10 // steps)
+
+
+def test_steps_per_execution_on_a_dataset_of_unknown_length(replicas):
+    x, y, _ = regression_data(75)
+
+    def compile_kwargs():
+        return dict(sgd_mse(), steps_per_execution=4)
+
+    reference, model = twins(replicas, simple, compile_kwargs, gradient_accumulation_steps=2)
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model.fit(_unknown_length(x, y, 8), epochs=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
+def test_steps_per_execution_logs_as_one_step_at_a_time(replicas):
+    x, y, w = regression_data(75)
+    x_val, y_val, _ = regression_data(20, seed=1)
+    histories, weights = [], []
+    for execution in (1, 4):
+
+        def compile_kwargs(execution=execution):
+            return dict(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", steps_per_execution=execution)
+
+        _, model = twins(replicas, simple, compile_kwargs, gradient_accumulation_steps=3, global_clipnorm=0.5)
+        history = model.fit(
+            x, y, sample_weight=w, batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=(x_val, y_val)
+        ).history
+        histories.append(history)
+        weights.append(model.get_weights())
+    assert sorted(histories[1]) == sorted(histories[0])
+    for name, values in histories[0].items():
+        assert histories[1][name] == pytest.approx(values, rel=1e-6), name
+    assert relative_error(*weights) < 1e-6
 
 
 def test_logged_loss_is_exact_sample_weighted_mean():
