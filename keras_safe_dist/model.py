@@ -177,8 +177,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                 built outside the strategy that trains the model.
             ValueError: when the optimizer carries `clipnorm`,
                 `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`;
-                or, on several replicas, for `jit_compile=True`; or for
-                `steps_per_execution > 1` under MultiWorkerMirroredStrategy.
+                or, on several replicas, for `jit_compile=True`.
         """
         own = _compat.model_strategy(self)
         if own is not None and not tf.distribute.has_strategy():
@@ -207,16 +206,6 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                     "'auto', or train on one replica."
                 )
             self.jit_compile = False
-        if self.steps_per_execution > 1 and isinstance(
-            self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy
-        ):
-            raise ValueError(
-                "SafeDistributedModel does not yet run `steps_per_execution` > 1 "
-                "under MultiWorkerMirroredStrategy (it does on one machine, "
-                "under MirroredStrategy). Received: "
-                f"steps_per_execution={self.steps_per_execution}. Use "
-                "steps_per_execution=1."
-            )
         self._update_engine = None
 
     def compile_from_config(self, config):

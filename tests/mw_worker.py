@@ -36,7 +36,7 @@ def data():
     return x, y
 
 
-def build(steps, clipnorm):
+def build(steps, clipnorm, execution=1):
     with STRATEGY.scope():
         keras.utils.set_random_seed(1)
         inputs = keras.Input((4,))
@@ -46,7 +46,7 @@ def build(steps, clipnorm):
             gradient_accumulation_steps=steps, global_clipnorm=clipnorm,
             log_update_stats=True,
         )
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=execution)
     return model
 
 
@@ -72,6 +72,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--clipnorm", type=float, default=None)
+    parser.add_argument("--execution", type=int, default=1, help="steps_per_execution")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--backup", default=None)
     parser.add_argument("--inputs", default="numpy,dataset")
@@ -84,7 +85,7 @@ def main():
         x[args.nan_row, 0] = np.nan
     results = {"chief": is_chief(STRATEGY)}
     for inputs in args.inputs.split(","):
-        model = build(args.steps, args.clipnorm)
+        model = build(args.steps, args.clipnorm, args.execution)
         callbacks = [Progress(args.delay)]
         if args.backup:
             callbacks.insert(0, MultiWorkerBackupAndRestore(args.backup))

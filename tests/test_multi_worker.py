@@ -156,3 +156,16 @@ def test_launcher_rejects_bad_worker_counts(workers):
 def test_launcher_rejects_missing_script(tmp_path):
     with pytest.raises(FileNotFoundError, match="No script to launch at"):
         WorkerGroup(str(tmp_path / "missing.py"))
+
+
+def test_two_workers_run_several_steps_per_execution_exactly():
+    # 5 micro-batches a worker-epoch in executions of 3: the second is partial.
+    codes, results, lines = run_workers(["--steps", "2", "--epochs", "2", "--execution", "3"])
+    assert codes == [0, 0], [line for _, line in lines][-20:]
+    reference = one_device_reference(epochs=2, steps=2)
+    for inputs in ("numpy", "dataset"):
+        first, second = weights(results[0], inputs), weights(results[1], inputs)
+        for a, b in zip(first, second):
+            np.testing.assert_array_equal(a, b)
+        assert relative_error(reference, first) < 1e-5
+        assert results[0][inputs]["iterations"] == 6
