@@ -12,6 +12,7 @@ from keras_safe_dist import _loss
 from keras_safe_dist import _nan_probe
 from keras_safe_dist import _shares
 from keras_safe_dist import _validate
+from keras_safe_dist import _xla
 from keras_safe_dist._update import UpdateEngine
 from keras_safe_dist.audits import scope as _scope
 
@@ -137,6 +138,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._nan_probe = None
         # The step compiled with XLA on its own, when NaN checks run before it.
         self._xla_step = None
+        # jit_compile=True on several replicas: each replica's pass under XLA.
+        self._xla_replicas = False
 
     def get_config(self):
         config = super().get_config()
@@ -170,14 +173,18 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         loss tracker are created there wherever `compile()` is called. Objects built
         outside that strategy are refused here, with the line to move, instead
         of failing later inside TensorFlow. On several replicas
-        `jit_compile="auto"` resolves to False.
+        `jit_compile=True` compiles each replica's forward and backward pass
+        with XLA, keeping the all-reduce and the update outside it (then
+        `model.jit_compile` reads False: Keras's whole-step compile is off),
+        and `jit_compile="auto"` resolves to False.
 
         Raises:
             ScopeError: when the model, the optimizer or a metric object was
                 built outside the strategy that trains the model.
             ValueError: when the optimizer carries `clipnorm`,
                 `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`;
-                or, on several replicas, for `jit_compile=True`.
+                or, on several replicas, for `jit_compile=True` with a layer
+                that synchronizes the replicas in its forward pass.
         """
         own = _compat.model_strategy(self)
         if own is not None and not tf.distribute.has_strategy():
@@ -196,15 +203,15 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         )
         super().compile(optimizer, *args, **kwargs)
         replicas = self.distribute_strategy.num_replicas_in_sync
+        self._xla_replicas = False
         if replicas > 1 and self.jit_compile:
-            if kwargs.get("jit_compile", "auto") is True:
-                raise ValueError(
-                    "SafeDistributedModel cannot compile its step with XLA on "
-                    "several replicas: the cross-replica update (a merge_call) "
-                    "is not supported inside XLA. Received: jit_compile=True "
-                    f"with {replicas} replicas. Use jit_compile=False or "
-                    "'auto', or train on one replica."
-                )
+            # Keras would compile the whole step, cross-replica update
+            # included, which XLA cannot hold; each replica's pass is
+            # compiled instead, and only when asked for: on CPU it rarely
+            # pays.
+            if kwargs.get("jit_compile", "auto") is True and not self.run_eagerly:
+                _xla.check_model(self)
+                self._xla_replicas = True
             self.jit_compile = False
         self._update_engine = None
 
@@ -376,9 +383,11 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _step(self, data, weight_terms=()):
+        engine = self._update_engine
+        if self._xla_replicas and not engine.custom_loss and self._nan_probe is None:
+            return self._multi_worker_logs(_xla.replica_step(self, data))
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         probe = self._nan_probe
-        engine = self._update_engine
         with tf.GradientTape() as tape:
             y_pred, keep = self._forward(x, training=True)
             if engine.custom_loss:
@@ -401,6 +410,9 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             logs.update(
                 probe.logs((x, y, sample_weight), micro.numerator, grads, weight_terms)
             )
+        return self._multi_worker_logs(logs)
+
+    def _multi_worker_logs(self, logs):
         if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
             # Keras reduces step outputs across workers with
             # `strategy.reduce("MEAN", value, axis=0)`, which needs rank >= 1;

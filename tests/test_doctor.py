@@ -231,7 +231,7 @@ def test_doctor_json_run_passes_every_probe_for_safe_distributed_model():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     process = subprocess.run(
         [sys.executable, "-m", "keras_safe_dist", "doctor", "--json"],
-        capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )
     assert process.returncode == 0, process.stderr[-3000:]
     report = json.loads(process.stdout)

@@ -74,13 +74,22 @@ def test_compile_rejects_optimizer_side_clipping_and_accumulation(optimizer, rea
     assert "to SafeDistributedModel(...) instead" in str(error.value)
 
 
-def test_jit_compile_with_two_replicas_is_refused_and_auto_turns_off():
+def test_jit_compile_on_two_replicas_compiles_each_replica_and_auto_stays_off():
     with strategy_for(2).scope():
         model = functional()
-        with pytest.raises(ValueError, match="Received: jit_compile=True with 2 replicas"):
-            model.compile(optimizer="sgd", loss="mse", jit_compile=True)
         model.compile(optimizer="sgd", loss="mse")
-    assert model.jit_compile is False
+        assert model.jit_compile is False and model._xla_replicas is False
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        assert model.jit_compile is False and model._xla_replicas is True
+
+
+def test_jit_compile_on_two_replicas_refuses_synchronized_layers():
+    with strategy_for(2).scope():
+        inputs = keras.Input((4,))
+        norm = keras.layers.BatchNormalization(synchronized=True, name="synced")(inputs)
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(norm))
+        with pytest.raises(ValueError, match=r"Received: synchronized layers \['synced'\] with jit_compile=True"):
+            model.compile(optimizer="sgd", loss="mse", jit_compile=True)
 
 
 def test_functional_form_returns_functional_subclass():

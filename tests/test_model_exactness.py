@@ -344,3 +344,45 @@ def test_unknown_length_with_groups_that_divide_the_batches_is_exact(replicas, s
     model.fit(_unknown_length(x, y, 8), epochs=2, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 10
     assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_jit_compile_on_two_replicas_matches_one_device(steps):
+    # 75 samples: the last micro-batch splits 2/1 across the replicas.
+    x, y, w = regression_data(75)
+
+    reference, model = twins(2, simple, sgd_mse, gradient_accumulation_steps=steps)
+    with strategy_for(2).scope():
+        model.compile(**sgd_mse(), jit_compile=True)
+    assert model._xla_replicas is True
+    reference.fit(x, y, sample_weight=w, batch_size=8 * steps, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, sample_weight=w, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    # XLA reassociates sums and approximates tanh.
+    assert relative_error(reference.get_weights(), model.get_weights()) < 1e-4
+    assert int(model.optimizer.iterations.numpy()) == 2 * -(-10 // steps)
+    assert history["samples_per_update"][-1] == 75 - (-(-10 // steps) - 1) * 8 * steps
+
+
+def test_jit_compile_on_two_replicas_writes_back_batch_normalization_state():
+    x, y, _ = regression_data(64)
+
+    def normalized():
+        inputs = keras.Input((4,))
+        hidden = keras.layers.BatchNormalization(momentum=0.5)(keras.layers.Dense(3)(inputs))
+        return inputs, keras.layers.Dense(1)(hidden)
+
+    models = []
+    for jit in (False, True):
+        _, model = twins(2, normalized, sgd_mse)
+        with strategy_for(2).scope():
+            model.compile(**sgd_mse(), jit_compile=jit)
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    plain, compiled = models
+    # The bias before BatchNormalization gets gradients of about 1e-8: absolute tolerance.
+    for a, b in zip(plain.get_weights(), compiled.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    strategy = strategy_for(2)
+    for a, b in zip(plain.non_trainable_variables, compiled.non_trainable_variables):
+        for one, other in zip(strategy.experimental_local_results(a.value), strategy.experimental_local_results(b.value)):
+            np.testing.assert_allclose(one.numpy(), other.numpy(), rtol=1e-4, atol=1e-6)
