@@ -106,7 +106,4 @@ def replica_step(model, data):
         restore = estimate
     engine.after_micro_batch(grads, contribution, restore)
     model._track_loss(micro)
-    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    if model._stats_logged:
-        logs.update(engine.logs())
-    return logs
+    return model._step_logs(x, y, y_pred, sample_weight)

@@ -403,14 +403,19 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             self._track_custom_loss(loss, x)
         else:
             self._track_loss(micro)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if self._stats_logged:
-            logs.update(engine.logs())
+        logs = self._step_logs(x, y, y_pred, sample_weight)
         if probe is not None:
             logs.update(
                 probe.logs((x, y, sample_weight), micro.numerator, grads, weight_terms)
             )
         return self._multi_worker_logs(logs)
+
+    def _step_logs(self, x, y, y_pred, sample_weight):
+        """The metrics' logs of a train step, with the update statistics if logged."""
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self._stats_logged:
+            logs.update(self._update_engine.logs())
+        return logs
 
     def _multi_worker_logs(self, logs):
         if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
