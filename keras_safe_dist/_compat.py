@@ -230,7 +230,7 @@ def _multi_step_function(strategy, step_function, steps):
             return tf.constant(True), logs
 
         def no_batch():
-            return tf.constant(False), tf.nest.map_structure(_zeros_like_spec, traced[0])
+            return tf.constant(False), tf.nest.map_structure(_placeholder_like, traced[0])
 
         ran, logs = tf.cond(first.has_value(), run_first, no_batch)
 
@@ -265,7 +265,8 @@ def _multi_step_function(strategy, step_function, steps):
     return function
 
 
-def _zeros_like_spec(tensor):
+def _placeholder_like(tensor):
+    """Zeros of `tensor`'s dtype and static shape (unknown dimensions as 0)."""
     shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
     return tf.zeros([0 if d is None else d for d in shape], tensor.dtype)
 

@@ -85,13 +85,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if _functional_arguments(args, kwargs):
-            if cls is SafeDistributedModel:
-                return keras.Model.__new__(SafeDistributedFunctional, *args, **kwargs)
-            # Keras makes a subclass functional by rewriting the bases of every
-            # class up to `keras.Model`, which would turn SafeDistributedModel
-            # itself functional for the whole process. Stop one class earlier.
-            _make_functional(cls)
+        if cls is SafeDistributedModel and _functional_arguments(args, kwargs):
+            return keras.Model.__new__(SafeDistributedFunctional, *args, **kwargs)
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(
@@ -114,8 +109,11 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             log_update_stats,
         )
         if _functional_arguments(args, kwargs):
-            # A subclass whose own `__init__` builds inputs and outputs and
-            # passes them on: made functional here rather than by Keras.
+            # Keras makes a subclass functional by rewriting the bases of every
+            # class up to `keras.Model`, which would turn SafeDistributedModel
+            # itself functional for the whole process. Stop one class earlier,
+            # whether the inputs and outputs came to the constructor or from
+            # the subclass's own `__init__`.
             _make_functional(type(self))
         super().__init__(*args, **kwargs)
         self._set_options(options)
