@@ -152,7 +152,12 @@ class TrainerOverrides:
     `train_step` adds to the logs besides the metrics, and
     `_end_epoch_steps(logs)`, called when an epoch's steps are done, before
     Keras reads the epoch's logs, runs validation or calls `on_epoch_end`.
+    While it makes its train function it may set `_execution_ends` (see
+    `_multi_step_function`'s `ends`) to end an execution of several steps
+    early; None otherwise.
     """
+
+    _execution_ends = None
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Stock Keras MEAN-reduces the first distributed batch to build the
@@ -180,13 +185,16 @@ class TrainerOverrides:
         # value for placeholder tensor"). Calling `strategy.run` directly in
         # the loop works, merge calls included.
         strategy = self.distribute_strategy
+        ends = self._execution_ends
         if (
             self.steps_per_execution == 1
-            or strategy.num_replicas_in_sync == 1
             or self.run_eagerly
+            or (strategy.num_replicas_in_sync == 1 and ends is None)
         ):
             return super()._make_function(step_function)
-        return _multi_step_function(strategy, step_function, self.steps_per_execution)
+        return _multi_step_function(
+            strategy, step_function, self.steps_per_execution, ends
+        )
 
     def _get_metrics_result_or_logs(self, logs):
         # Keras calls this once an epoch's steps are done, before validation
@@ -204,13 +212,22 @@ class TrainerOverrides:
         return super()._get_metrics_result_or_logs(logs)
 
 
-def _multi_step_function(strategy, step_function, steps):
+def _multi_step_function(strategy, step_function, steps, ends=None):
     """A train or test function running up to `steps` steps per call on several replicas.
 
     Returns the last step's logs, as Keras's own does; raises `StopIteration`
     when the iterator had no batch left (Keras then ends the epoch). Every
-    replica (and worker) sees the same `has_value()`, so all take the same
-    branch.
+    replica (and worker) sees the same `has_value()` and the same reduced
+    logs, so all take the same branch.
+
+    Args:
+        strategy: the model's strategy.
+        step_function: one replica's step, `data -> logs`.
+        steps: the most steps one call runs.
+        ends: None, or an object whose `ends_execution(logs)` says (a scalar
+            bool tensor, from a step's reduced logs) that the call returns
+            after that step; the logs then carry the number of steps the call
+            ran under `ends.count_name`.
     """
 
     def one_step(data):
@@ -220,6 +237,11 @@ def _multi_step_function(strategy, step_function, steps):
         outputs = strategy.run(step_function, args=(data,))
         return _keras_tf_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
 
+    def go_on(logs):
+        if ends is None:
+            return tf.constant(True)
+        return tf.logical_not(ends.ends_execution(logs))
+
     def multi_step(iterator):
         first = iterator.get_next_as_optional()
         traced = []
@@ -227,25 +249,32 @@ def _multi_step_function(strategy, step_function, steps):
         def run_first():
             logs = one_step(first.get_value())
             traced.append(logs)
-            return tf.constant(True), logs
+            return tf.constant(True), logs, go_on(logs)
 
         def no_batch():
-            return tf.constant(False), tf.nest.map_structure(_placeholder_like, traced[0])
+            logs = tf.nest.map_structure(_placeholder_like, traced[0])
+            return tf.constant(False), logs, tf.constant(False)
 
-        ran, logs = tf.cond(first.has_value(), run_first, no_batch)
+        ran, logs, more = tf.cond(first.has_value(), run_first, no_batch)
 
-        def body(i, logs, more):
+        def body(count, logs, more):
             following = iterator.get_next_as_optional()
-            logs = tf.cond(
-                following.has_value(), lambda: one_step(following.get_value()), lambda: logs
-            )
-            return i + 1, logs, following.has_value()
 
-        _, logs, _ = tf.while_loop(
-            lambda i, logs, more: tf.logical_and(more, i < steps),
+            def run():
+                logs = one_step(following.get_value())
+                return count + 1, logs, go_on(logs)
+
+            return tf.cond(
+                following.has_value(), run, lambda: (count, logs, tf.constant(False))
+            )
+
+        count, logs, _ = tf.while_loop(
+            lambda count, logs, more: tf.logical_and(more, count < steps),
             body,
-            (tf.constant(1), logs, ran),
+            (tf.constant(1), logs, more),
         )
+        if ends is not None:
+            logs = dict(logs, **{ends.count_name: count})
         return ran, logs
 
     multi_step = tf.function(multi_step, reduce_retracing=True, autograph=False)
@@ -263,7 +292,6 @@ def _multi_step_function(strategy, step_function, steps):
         return logs
 
     return function
-
 
 def _placeholder_like(tensor):
     """Zeros of `tensor`'s dtype and static shape (unknown dimensions as 0)."""

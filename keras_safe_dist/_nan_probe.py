@@ -81,7 +81,7 @@ __all__ = [
     "tensor_nonfinite",
 ]
 
-LOG_NAMES = ("nonfinite_replicas", "applied_updates")
+LOG_NAMES = ("nonfinite_replicas", "applied_updates", "executed_steps")
 MAX_REPLICAS_FOR_MASK = 16
 # With B = replicas + 1 the scaled entry stays below B**4, exact in float64 up to 2**53.
 MAX_REPLICAS = 8191
@@ -230,7 +230,8 @@ class NaNProbe:
         # replica, which the replay does. With accumulation it names the
         # micro-batch. Under loss scaling non-finite gradients are routine.
         self.check_local_gradients = model.gradient_accumulation_steps > 1 and not self.loss_scaled
-        self.log_names = LOG_NAMES if request.count_updates else LOG_NAMES[:-1]
+        wanted = (True, request.count_updates, model.steps_per_execution > 1)
+        self.log_names = tuple(n for n, w in zip(LOG_NAMES, wanted) if w)
         self.local_replicas = _local_replicas(self.strategy)
         self.names, self.structure = _capture_layout(specs)
         with self.strategy.scope():
@@ -315,6 +316,27 @@ class NaNProbe:
             stats = self.model._update_engine.stats
             logs["applied_updates"] = stats[_update._STATS.index("updates_in_epoch")]
         return logs
+
+    # In-graph, cross-replica context: a multi-step execution's loop.
+
+    count_name = LOG_NAMES[2]
+
+    def ends_execution(self, logs):
+        """Whether a step's reduced logs hold what the detector reports.
+
+        With `steps_per_execution > 1` the execution ends after that step, so
+        that the batch, the snapshots and the weights are the step's when the
+        detector reads them; the logs then carry `executed_steps`. The same
+        test as the detector's: a flag, a non-finite loss, or a non-finite
+        gradient norm outside loss scaling.
+        """
+        fired = tf.not_equal(logs["nonfinite_replicas"], 0)
+        names = ["loss"] + ([] if self.loss_scaled else ["grad_norm"])
+        for name in names:
+            if name in logs:
+                finite = tf.math.is_finite(tf.cast(logs[name], tf.float32))
+                fired = tf.logical_or(fired, tf.logical_not(finite))
+        return fired
 
     def with_weight_flags(self, logs, weight_terms):
         """`logs` of a step that did not check the weights, with their flag added."""

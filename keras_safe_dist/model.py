@@ -300,6 +300,15 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                 self, self._nan_probe_request, _compat.train_data_specs(self)
             )
         self._xla_step = None
+        # With several steps per execution, the execution ends at the step
+        # the detector reports, so that its batch and weights are still held.
+        self._execution_ends = self._nan_probe
+        try:
+            return self._make_train_function(force)
+        finally:
+            self._execution_ends = None
+
+    def _make_train_function(self, force):
         if self._nan_probe is None or not self.jit_compile:
             return super().make_train_function(force=force)
         # XLA cannot assign a batch of another shape to the capture variables,

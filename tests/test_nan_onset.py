@@ -50,7 +50,14 @@ def data(samples=64):
 
 
 def build(
-    replicas, model_class=SafeDistributedModel, first=None, optimizer=None, loss="mse", jit_compile="auto", **options
+    replicas,
+    model_class=SafeDistributedModel,
+    first=None,
+    optimizer=None,
+    loss="mse",
+    jit_compile="auto",
+    compile_options=None,
+    **options,
 ):
     with strategy_for(replicas).scope():
         keras.utils.set_random_seed(1)
@@ -60,7 +67,10 @@ def build(
         outputs = keras.layers.Dense(1, name="out")(hidden)
         model = model_class(inputs, outputs, **options)
         model.compile(
-            optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05), loss=loss, jit_compile=jit_compile
+            optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05),
+            loss=loss,
+            jit_compile=jit_compile,
+            **(compile_options or {}),
         )
     return model
 
@@ -253,7 +263,7 @@ class Exploding(keras.optimizers.schedules.LearningRateSchedule):
 
 def test_exploding_learning_rate_restores_last_finite_weights_and_optimizer_state(replicas):
     x, y = data()
-    y = y * 100.0  # gradients large enough for 1e38 * g to overflow
+    y = y * 10.0  # gradients large enough for 1e38 * g to overflow
     model = build(replicas, optimizer=lambda: keras.optimizers.SGD(Exploding()))
     detector = NaNOnsetDetector(action="restore")
     history = fit(model, x, y, detector, epochs=2).history
@@ -291,7 +301,7 @@ def test_overflowing_last_update_of_an_epoch_is_found_at_the_epoch_end(monkeypat
     check = _nan_probe.WeightCheck.__call__
     monkeypatch.setattr(_nan_probe.WeightCheck, "__call__", lambda self: checks.append(1) or check(self))
     x, y = data()
-    y = y * 100.0
+    y = y * 10.0
     model = build(2, optimizer=lambda: keras.optimizers.SGD(Exploding(at=7)))
     detector = NaNOnsetDetector(action="restore")
     history = fit(model, x, y, detector, epochs=2).history
@@ -364,7 +374,7 @@ def test_probe_refuses_more_replicas_than_its_flags_can_count(monkeypatch):
 
 def test_overflowing_epoch_end_flush_is_reported_and_restored(replicas):
     x, y = data(56)  # 7 micro-batches of 8: three groups of 2, then one flushed at the epoch end
-    y = y * 100.0
+    y = y * 10.0
     model = build(replicas, optimizer=lambda: keras.optimizers.SGD(Exploding()), gradient_accumulation_steps=2)
     detector = NaNOnsetDetector(action="restore")
     fit(model, x, y, detector, epochs=2)
@@ -377,10 +387,13 @@ def test_overflowing_epoch_end_flush_is_reported_and_restored(replicas):
     assert int(model.optimizer.iterations.numpy()) == 3
 
 
-def test_accumulation_reports_the_micro_batch_and_skips_its_group(replicas):
+@pytest.mark.parametrize("execution", [1, 3], ids=["one_step", "three_steps_per_execution"])
+def test_accumulation_reports_the_micro_batch_and_skips_its_group(replicas, execution):
     x, y = data()
     x[33, 0] = np.inf  # micro-batch 4 (first of the third group), the first replica's share
-    model = build(replicas, gradient_accumulation_steps=2)
+    model = build(
+        replicas, gradient_accumulation_steps=2, compile_options={"steps_per_execution": execution}
+    )
     detector = NaNOnsetDetector()
     history = fit(model, x, y, detector).history
     report = detector.report
@@ -528,7 +541,7 @@ def test_plain_keras_model_reports_loss_and_says_what_is_not_localized(replicas,
 
 def test_plain_keras_model_restore_finds_the_update_that_broke_the_weights(replicas):
     x, y = data()
-    y = y * 100.0
+    y = y * 10.0
     model = build(replicas, keras.Model, optimizer=lambda: keras.optimizers.SGD(Exploding()))
     detector = NaNOnsetDetector(action="restore")
     fit(model, x, y, detector)
@@ -631,12 +644,67 @@ def test_continue_needs_a_model_that_skips_nonfinite_updates():
         assert received in str(error.value)
 
 
-def test_steps_per_execution_above_one_is_refused():
+@pytest.mark.parametrize("row,batch", [(37, 4), (25, 3)], ids=["mid_execution", "first_of_execution"])
+def test_several_steps_per_execution_name_the_exact_batch_and_stop_there(replicas, row, batch, tmp_path):
+    x, y = data()
+    x[row, 2] = np.nan  # executions of 3 batches: 0-2, 3-5
+    model = build(replicas, compile_options={"steps_per_execution": 3})
+    detector = NaNOnsetDetector(log_dir=tmp_path)
+    history = fit(model, x, y, detector, epochs=2).history
+    report = detector.report
+    replica = 1 if replicas == 2 and row % BATCH >= BATCH // 2 else 0
+    assert (report["epoch"], report["batch"], report["step"], report["kind"]) == (0, batch, batch, "inputs")
+    assert report["replicas"] == [replica]
+    # The history holds each execution's last step.
+    assert [h["batch"] for h in report["history"]] == [2, batch]
+    # The execution ended at the onset: batches after it were not trained.
+    assert history["skipped_updates"] == [1.0] and "executed_steps" not in history
+    assert_weights_close(reference_weights(x, y, batch), model.get_weights())
+    saved = np.load(tmp_path / "nan_onset_batch.npz")
+    start = batch * BATCH + (BATCH // 2 if replica else 0)
+    np.testing.assert_array_equal(saved["x"][0], x[start])
+
+
+def test_several_steps_per_execution_restore_the_weights_before_the_update_that_broke_them(replicas):
+    x, y = data()
+    y = y * 10.0
+    model = build(
+        replicas,
+        optimizer=lambda: keras.optimizers.SGD(Exploding()),
+        compile_options={"steps_per_execution": 3},
+    )
+    detector = NaNOnsetDetector(action="restore")
+    fit(model, x, y, detector, epochs=2)
+    report = detector.report
+    # Batch 3's update overflowed; batch 4, in the same execution, found it.
+    assert (report["epoch"], report["batch"], report["step"], report["kind"]) == (0, 3, 3, "weights")
+    assert report["restored_to"] == "before this batch"
+    assert_weights_close(reference_weights(x, y, 3), model.get_weights())
+    assert int(model.optimizer.iterations.numpy()) == 3
+
+
+@pytest.mark.parametrize(
+    "model_class,options,detector,received",
+    [
+        (keras.Model, {}, {}, "with a Functional, whose executions report only their last step"),
+        (SafeDistributedModel, {"run_eagerly": True}, {}, "with run_eagerly=True. Use run_eagerly=False"),
+        (
+            SafeDistributedModel,
+            {},
+            {"action": "continue"},
+            "with action='continue', which counts skipped updates step by step. Use action='stop'",
+        ),
+    ],
+    ids=["plain", "eager", "continue"],
+)
+def test_several_steps_per_execution_are_refused_where_the_batch_cannot_be_named(
+    model_class, options, detector, received
+):
     x, y = data(16)
-    model = build(1)
-    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
-    with pytest.raises(ValueError, match="Received: steps_per_execution=2. Use steps_per_execution=1."):
-        fit(model, x, y, NaNOnsetDetector())
+    model = build(1, model_class, compile_options={"steps_per_execution": 2, **options})
+    with pytest.raises(ValueError, match="with steps_per_execution=2 it needs each step's logs") as error:
+        fit(model, x, y, NaNOnsetDetector(**detector))
+    assert received in str(error.value)
 
 
 def test_config_round_trip(tmp_path):

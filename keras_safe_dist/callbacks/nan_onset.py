@@ -82,7 +82,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     Raises:
         ValueError: for an invalid argument; when training begins, for
             `action="continue"` without a SafeDistributedModel that skips
-            non-finite updates, or for `steps_per_execution > 1`.
+            non-finite updates, or for `steps_per_execution > 1` with a
+            plain `keras.Model`, `run_eagerly=True` or `action="continue"`.
 
     Example:
 
@@ -147,12 +148,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 + (f" with skip_nonfinite={model.skip_nonfinite}" if self._full else "")
                 + ". Use action='stop' or 'restore', or a SafeDistributedModel."
             )
-        if getattr(model, "steps_per_execution", 1) > 1:
-            raise ValueError(
-                "NaNOnsetDetector reads every step's logs, and Keras returns only the "
-                "last step's logs of each execution. Received: "
-                f"steps_per_execution={model.steps_per_execution}. Use steps_per_execution=1."
-            )
+        self._check_steps_per_execution(model)
         self.report = None
         self._loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         self._replicas = model.distribute_strategy.num_replicas_in_sync
@@ -166,11 +162,38 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._applied_seen = 0
         self._plain_snapshots = None
 
+    def _check_steps_per_execution(self, model):
+        steps = getattr(model, "steps_per_execution", 1)
+        if steps == 1:
+            return
+        # A SafeDistributedModel's execution ends at the step that fired, and
+        # says how many steps it ran; Keras's own returns only the last step's logs.
+        if not self._full:
+            problem, fix = (
+                f"a {type(model).__name__}, whose executions report only their last step",
+                "Use a SafeDistributedModel, or steps_per_execution=1",
+            )
+        elif model.run_eagerly:
+            problem, fix = "run_eagerly=True", "Use run_eagerly=False, or steps_per_execution=1"
+        elif self.action == "continue":
+            problem, fix = (
+                "action='continue', which counts skipped updates step by step",
+                "Use action='stop' or 'restore', or steps_per_execution=1",
+            )
+        else:
+            return
+        raise ValueError(
+            "NaNOnsetDetector names the batch of the onset; with "
+            f"steps_per_execution={steps} it needs each step's logs, which it "
+            f"cannot get with {problem}. {fix}."
+        )
+
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._applied_seen = 0
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._execution_begin = batch
         if self.action == "restore" and not self._full:
             # Plain keras.Model: two rotating copies, taken eagerly (no host sync).
             if self._plain_snapshots is None:
@@ -185,9 +208,17 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         logs = logs or {}
         flags = {name: logs.pop(name) for name in _nan_probe.LOG_NAMES if name in logs}
         loss, norm = logs.get("loss"), logs.get("grad_norm")
+        # With several steps per execution the logs are its last step's, and
+        # say how many steps it ran (it ends at a step that fired).
+        steps = 1
+        if _nan_probe.LOG_NAMES[2] in flags:
+            steps = int(round(flags.pop(_nan_probe.LOG_NAMES[2])))
+            batch = self._execution_begin + steps - 1
+            if steps > 1:
+                self._last_batch = (self._epoch, batch - 1)
         self._recent.append({"epoch": self._epoch, "batch": batch, "loss": loss, "grad_norm": norm})
         self._previous, self._last_batch = self._last_batch, (self._epoch, batch)
-        self._step += 1
+        self._step += steps
         if self.report is None:
             logged = {
                 "loss": loss is not None and not math.isfinite(loss),
