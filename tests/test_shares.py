@@ -56,7 +56,7 @@ def test_convolutions_train_evaluate_and_predict_as_one_device(build, shape):
         stock.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-6
     )
     np.testing.assert_allclose(
-        model.predict(x, batch_size=BATCH, verbose=0), stock.predict(x, batch_size=BATCH, verbose=0), rtol=1e-5
+        model.predict(x, batch_size=BATCH, verbose=0), stock.predict(x, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-6
     )
 
 
