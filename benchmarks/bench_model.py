@@ -1,19 +1,30 @@
 """Speed and memory of `SafeDistributedModel` against stock `keras.Model` on CPU.
 
-Speed: the median time of one `fit()` epoch of the same small MLP, on one
-device and on two replicas (two logical CPUs under one `MirroredStrategy`).
-Stock and safe epochs are interleaved, alternating which goes first, after a
-warm-up epoch of each, so drift hits both alike.
+Four sections, all by default, or those named with `--only`:
 
-Memory: the peak of TensorFlow's CPU allocator during `fit()` of a convolutional
-model whose activations dwarf its parameters, on one device, for stock Keras
-with micro-batch `m`, stock Keras with `4m`, and `SafeDistributedModel` with
-`m` and `gradient_accumulation_steps=4`. Each configuration runs in a fresh
-process so that peaks never mix. Accumulation should cost at most one copy of
-the trainable parameters (the accumulators) over stock(m).
+- `plain`: the plain step (default arguments, no callbacks) against stock, on
+  one device and on two replicas (two logical CPUs under one
+  `MirroredStrategy`), for an MLP 64-256-256-10 at batch 64 and an MLP
+  256-1024-1024-10 at batch 256.
+- `execution`: `steps_per_execution` k = 1, 4, 8, 32 on two replicas against
+  stock at k = 1 on the same replicas (stock crashes there for k > 1), on the
+  MLP 64-256-256-10.
+- `xla`: `jit_compile=True` against off on two replicas, for the MLP
+  64-256-256-10 and a small convnet.
+- `memory`: the peak of TensorFlow's CPU allocator during `fit()` of a
+  convolutional model whose activations dwarf its parameters, on one device,
+  for stock Keras with micro-batch `m`, with `4m`, and `SafeDistributedModel`
+  with `m` and `gradient_accumulation_steps=4`, each in a fresh process.
+  Accumulation should cost at most one copy of the trainable parameters.
+
+Speed method: after a warm-up epoch of each configuration, each round runs
+one epoch of every configuration of a group, in an order that rotates every
+round, so drift hits all alike. A configuration's ratio is the median over
+rounds of its epoch time divided by the same round's baseline epoch; its fixed
+cost per step is the difference of the median epoch times over the steps.
 
 Usage:
-    PYTHONPATH=. python benchmarks/bench_model.py [--repeats N] [--quick] [--json]
+    PYTHONPATH=. python benchmarks/bench_model.py [--only SECTION ...] [--rounds N] [--quick] [--json]
 """
 
 import argparse
@@ -36,6 +47,7 @@ from keras_safe_dist import SafeDistributedModel  # noqa: E402
 from _timing import no_collection  # noqa: E402
 from _timing import run_worker  # noqa: E402
 
+SECTIONS = ("plain", "execution", "xla", "memory")
 MIB = 2**20
 MEMORY_CONFIGS = {
     # name: (batch size as a multiple of m, gradient_accumulation_steps or None)
@@ -47,6 +59,14 @@ MEMORY_CONFIGS = {
 # allocator rounding and op-scheduling noise between runs.
 MEMORY_TOLERANCE_MIB = 2.0
 
+# name: (input shape, hidden width or None for the convnet, samples, batch size)
+MODELS = {
+    "MLP 64-256-256-10": ((64,), 256, 6400, 64),
+    "MLP 256-1024-1024-10": ((256,), 1024, 4096, 256),
+    "convnet 28x28x1": ((28, 28, 1), None, 1280, 64),
+}
+EXECUTIONS = (1, 4, 8, 32)
+
 
 def _compile(model):
     model.compile(
@@ -57,76 +77,112 @@ def _compile(model):
     return model
 
 
-# name: (input features, hidden width, samples, batch size)
-SPEED_MODELS = {
-    "small MLP": (32, 256, 8192, 256),
-    "medium MLP": (256, 1024, 4096, 256),
-}
-
-
-def _mlp(model_class, strategy, features, width):
+def _model(name, model_class, strategy, **compile_options):
+    """One of `MODELS`, built and compiled (SGD) in `strategy`'s scope."""
+    shape, width, _, _ = MODELS[name]
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        inputs = keras.Input((features,))
-        hidden = keras.layers.Dense(width, activation="relu")(inputs)
-        hidden = keras.layers.Dense(width, activation="relu")(hidden)
-        outputs = keras.layers.Dense(10)(hidden)
-        return _compile(model_class(inputs, outputs))
+        inputs = keras.Input(shape)
+        if width is None:
+            hidden = keras.layers.Conv2D(16, 3, activation="relu")(inputs)
+            hidden = keras.layers.Conv2D(16, 3, activation="relu")(hidden)
+            hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+        else:
+            hidden = keras.layers.Dense(width, activation="relu")(inputs)
+            hidden = keras.layers.Dense(width, activation="relu")(hidden)
+        model = model_class(inputs, keras.layers.Dense(10)(hidden))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            **{"jit_compile": False, **compile_options},
+        )
+    return model
 
 
-EPOCHS_PER_TIMING = 3
+def _data(name, quick):
+    shape, _, samples, batch = MODELS[name]
+    samples = samples // 4 if quick else samples
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, *shape)).astype("float32")
+    y = rng.integers(0, 10, size=samples).astype("int32")
+    return x, y, batch
 
 
-def _timed_epoch(model, dataset):
-    """Seconds per epoch, averaged over one fit() of a few epochs."""
+def _epoch(model, x, y, batch):
     with no_collection():
         start = time.perf_counter()
-        model.fit(dataset, epochs=EPOCHS_PER_TIMING, verbose=0, shuffle=False)
-        return (time.perf_counter() - start) / EPOCHS_PER_TIMING
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        return time.perf_counter() - start
 
 
-def bench_speed(repeats, quick):
-    """Median epoch seconds of stock and safe, per model and setting."""
-    settings = {
-        "1 device": tf.distribute.get_strategy(),
-        # One MirroredStrategy per process: instances over the same devices
-        # can collide on collective keys.
-        "2 replicas": tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+def interleave(configs, baseline, x, y, batch, rounds):
+    """Times `configs` (name: model) epoch by epoch in rotating order.
+
+    Returns:
+        name: median epoch seconds, median ratio to `baseline`, and the fixed
+        cost per step against it in microseconds.
+    """
+    for model in configs.values():
+        _epoch(model, x, y, batch)  # warm-up: tracing and building
+    names = list(configs)
+    times = {name: [] for name in names}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(_epoch(configs[name], x, y, batch))
+    steps = -(-len(x) // batch)
+    base = statistics.median(times[baseline])
+    return {
+        name: {
+            "median_epoch_s": statistics.median(times[name]),
+            "median_ratio": statistics.median(
+                t / b for t, b in zip(times[name], times[baseline])
+            ),
+            "per_step_us": 1e6 * (statistics.median(times[name]) - base) / steps,
+            "steps": steps,
+        }
+        for name in names
     }
+
+
+def bench_plain(strategies, rounds, quick):
+    """The plain step against stock, per model and setting."""
     results = {}
-    for model_name, (features, width, samples, batch_size) in SPEED_MODELS.items():
-        samples = samples // 2 if quick else samples
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(samples, features)).astype("float32")
-        y = rng.integers(0, 10, size=samples).astype("int32")
-        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-        for setting, strategy in settings.items():
-            models = {
-                "stock": _mlp(keras.Model, strategy, features, width),
-                "safe": _mlp(SafeDistributedModel, strategy, features, width),
+    for name in ("MLP 64-256-256-10", "MLP 256-1024-1024-10"):
+        x, y, batch = _data(name, quick)
+        for setting, strategy in strategies.items():
+            configs = {
+                "stock": _model(name, keras.Model, strategy),
+                "safe": _model(name, SafeDistributedModel, strategy),
             }
-            for model in models.values():
-                _timed_epoch(model, dataset)  # warm-up: tracing and building
-            times = {name: [] for name in models}
-            for repeat in range(repeats):
-                order = list(models) if repeat % 2 == 0 else list(models)[::-1]
-                for name in order:
-                    times[name].append(_timed_epoch(models[name], dataset))
-            stock = statistics.median(times["stock"])
-            safe = statistics.median(times["safe"])
-            paired = [s / k for s, k in zip(times["safe"], times["stock"])]
-            results[f"{model_name}, {setting}"] = {
-                "model": f"{features}-{width}-{width}-10",
-                "samples": samples,
-                "batch": batch_size,
-                "steps": -(-samples // batch_size),
-                "stock_s": stock,
-                "safe_s": safe,
-                "ratio_of_medians": safe / stock,
-                "median_paired_ratio": statistics.median(paired),
-                "stock_all_s": times["stock"],
-                "safe_all_s": times["safe"],
-            }
+            timed = interleave(configs, "stock", x, y, batch, rounds)
+            results[f"{name}, batch {batch}, {setting}"] = timed["safe"]
+    return results
+
+
+def bench_execution(strategy, rounds, quick):
+    """`steps_per_execution` on two replicas against stock at k = 1."""
+    name = "MLP 64-256-256-10"
+    x, y, batch = _data(name, quick)
+    configs = {"stock, k=1": _model(name, keras.Model, strategy)}
+    for k in EXECUTIONS:
+        configs[f"safe, k={k}"] = _model(
+            name, SafeDistributedModel, strategy, steps_per_execution=k
+        )
+    return interleave(configs, "stock, k=1", x, y, batch, rounds)
+
+
+def bench_xla(strategy, rounds, quick):
+    """`jit_compile=True` against off on two replicas, per model."""
+    results = {}
+    for name in ("MLP 64-256-256-10", "convnet 28x28x1"):
+        x, y, batch = _data(name, quick)
+        configs = {
+            "off": _model(name, SafeDistributedModel, strategy),
+            "on": _model(name, SafeDistributedModel, strategy, jit_compile=True),
+        }
+        timed = interleave(configs, "off", x, y, batch, rounds)
+        results[f"{name}, batch {batch}"] = timed["on"]
     return results
 
 
@@ -206,25 +262,19 @@ def bench_memory(micro_batch, samples, runs):
     }
 
 
-def _print_report(report):
-    speed, memory, setup = report["speed"], report["memory"], report["setup"]
-    print(
-        f"Speed: median epoch over {setup['repeats']} interleaved fit() calls of "
-        f"{EPOCHS_PER_TIMING} epochs; "
-        "Adam, no clipping, gradient_accumulation_steps=1"
-    )
-    print(
-        f"{'setting':<26}{'model':>16}{'stock ms':>10}{'safe ms':>10}"
-        f"{'ratio of medians':>18}{'median paired ratio':>21}{'extra ms/step':>15}"
-    )
-    for setting, row in speed.items():
+def _print_timed(title, rows, baseline):
+    print(title)
+    print(f"{'configuration':<48}{'epoch ms':>10}{'ratio':>8}{'per step':>12}")
+    for name, row in rows.items():
         print(
-            f"{setting:<26}{row['model']:>16}{row['stock_s'] * 1e3:>10.1f}"
-            f"{row['safe_s'] * 1e3:>10.1f}{row['ratio_of_medians']:>18.3f}"
-            f"{row['median_paired_ratio']:>21.3f}"
-            f"{(row['safe_s'] - row['stock_s']) * 1e3 / row['steps']:>15.3f}"
+            f"{name:<48}{row['median_epoch_s'] * 1e3:>10.1f}{row['median_ratio']:>8.3f}"
+            f"{row['per_step_us']:>+9.0f} us"
         )
+    print(f"(ratio: median over rounds of epoch time / {baseline}; per step: against it)")
     print()
+
+
+def _print_memory(memory, setup):
     print(
         f"Memory: TF CPU allocator during one fit() epoch, 1 device, Conv2D model "
         f"on 64x64x3, {setup['memory_samples']} samples, m={setup['memory_batch']}, "
@@ -250,10 +300,37 @@ def _print_report(report):
     )
 
 
+def _print_report(report):
+    rounds = report["setup"]["rounds"]
+    if "plain" in report:
+        _print_timed(
+            f"Plain step, SafeDistributedModel against stock keras.Model ({rounds} rounds; SGD)",
+            report["plain"],
+            "stock's",
+        )
+    if "execution" in report:
+        _print_timed(
+            f"steps_per_execution on 2 replicas, MLP 64-256-256-10, batch 64 ({rounds} rounds)",
+            report["execution"],
+            "stock's at k=1",
+        )
+    if "xla" in report:
+        _print_timed(
+            f"jit_compile=True on 2 replicas, SafeDistributedModel ({rounds} rounds)",
+            report["xla"],
+            "the same model's without XLA",
+        )
+    if "memory" in report:
+        _print_memory(report["memory"], report["setup"])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=None, help="timed epochs per model")
-    parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    parser.add_argument(
+        "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run"
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 9)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and 3 rounds, a smoke check")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--memory-worker", choices=list(MEMORY_CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--memory-batch", type=int, default=32, help=argparse.SUPPRESS)
@@ -264,21 +341,33 @@ def main(argv=None):
         print(json.dumps(figures))
         return
     setup = {
-        "repeats": args.repeats or (3 if args.quick else 9),
+        "rounds": args.rounds or (3 if args.quick else 9),
         "memory_batch": 16 if args.quick else 32,
         "memory_samples": 128 if args.quick else 256,
         "memory_runs": 1 if args.quick else 5,
+        "cpu_count": os.cpu_count(),
     }
-    if setup["repeats"] < 1:
-        parser.error(f"--repeats must be >= 1. Received: --repeats={setup['repeats']}")
+    if setup["rounds"] < 1:
+        parser.error(f"--rounds must be an integer >= 1. Received: --rounds={setup['rounds']}")
+    # One MirroredStrategy per process: instances over the same devices can
+    # collide on collective keys.
+    mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     report = {
         "setup": setup,
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
-        "speed": bench_speed(setup["repeats"], args.quick),
-        "memory": bench_memory(
-            setup["memory_batch"], setup["memory_samples"], setup["memory_runs"]
-        ),
     }
+    rounds, quick = setup["rounds"], args.quick
+    if "plain" in args.only:
+        strategies = {"1 device": tf.distribute.get_strategy(), "2 replicas": mirrored}
+        report["plain"] = bench_plain(strategies, rounds, quick)
+    if "execution" in args.only:
+        report["execution"] = bench_execution(mirrored, rounds, quick)
+    if "xla" in args.only:
+        report["xla"] = bench_xla(mirrored, rounds, quick)
+    if "memory" in args.only:
+        report["memory"] = bench_memory(
+            setup["memory_batch"], setup["memory_samples"], setup["memory_runs"]
+        )
     if args.json:
         print(json.dumps(report, indent=2))
     else:
