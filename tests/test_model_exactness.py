@@ -386,3 +386,50 @@ def test_jit_compile_on_two_replicas_writes_back_batch_normalization_state():
     for a, b in zip(plain.non_trainable_variables, compiled.non_trainable_variables):
         for one, other in zip(strategy.experimental_local_results(a.value), strategy.experimental_local_results(b.value)):
             np.testing.assert_allclose(one.numpy(), other.numpy(), rtol=1e-4, atol=1e-6)
+
+
+FAST_PATHS = {"plain": {}, "k3": {"steps_per_execution": 3}, "xla": {"jit_compile": True}}
+
+
+@pytest.mark.parametrize("fast", list(FAST_PATHS))
+def test_fast_paths_skip_a_nonfinite_batch_as_if_it_were_not_there(fast):
+    # 64 samples in batches of 8; batch 4 (rows 32-39) holds an infinity. SGD
+    # without momentum: skipping its update equals training without it.
+    x, y, _ = regression_data(64)
+    x[35, 1] = np.inf
+
+    def compile_kwargs():
+        return dict(sgd_mse(), **FAST_PATHS[fast])
+
+    reference, model = twins(2, simple, sgd_mse)
+    with strategy_for(2).scope():
+        model.compile(**compile_kwargs())
+    kept = np.r_[0:32, 40:64]
+    reference.fit(x[kept], y[kept], batch_size=8, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert history["skipped_updates"] == [1.0, 2.0]  # counted over the fit
+    assert int(model.optimizer.iterations.numpy()) == 2 * 7
+    assert relative_error(reference.get_weights(), model.get_weights()) < 1e-4
+
+
+@pytest.mark.parametrize("fast", list(FAST_PATHS))
+def test_fast_paths_under_mixed_precision_match_one_device(fast):
+    # A loss scale that no batch overflows: whether float16 overflows depends
+    # on how many samples a sum spans, which differs between one device's
+    # batch and a replica's share of a micro-batch.
+    x, y, _ = regression_data(75)
+    keras.config.set_dtype_policy("mixed_float16")
+
+    def compile_kwargs(**fast_options):
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**10)
+        return dict(optimizer=optimizer, loss="mse", **fast_options)
+
+    reference, model = twins(2, simple, compile_kwargs, gradient_accumulation_steps=2)
+    with strategy_for(2).scope():
+        model.compile(**compile_kwargs(**FAST_PATHS[fast]))
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 10
+    assert history["skipped_updates"] == [0.0, 0.0]
+    # float16 forward and backward passes.
+    assert relative_error(reference.get_weights(), model.get_weights()) < 2e-3
