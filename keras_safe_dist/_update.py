@@ -163,18 +163,45 @@ class UpdateEngine:
         restore = None
         if self.loss_scale is not None:
             if self.steps > 1:
-                restore = self._group_denominator_estimate(micro)
+                restore = self.denominator_estimate(micro)
                 objective = objective / restore
             objective = self.loss_scale.scale_loss(objective)
         return micro, objective, restore
 
-    def _group_denominator_estimate(self, micro):
+    def denominator_estimate(self, micro):
+        """The update's denominator as this share would make it: its own x replicas x steps.
+
+        Exact when every share of the update has the same denominator; 1 where
+        the share's is 0 (an empty share or all-zero weights: its numerator
+        is 0 as well), or for a loss with no denominator.
+        """
         if micro.denominator is None:
             return tf.ones(())
         replicas = self.strategy.num_replicas_in_sync
         estimate = micro.denominator * float(replicas * self.steps)
-        # An empty share or all-zero weights: the numerator is 0 as well.
         return tf.where(estimate > 0, estimate, tf.ones_like(estimate))
+
+    def after_estimated_micro_batch(self, grads, micro, estimate):
+        """`after_micro_batch` for gradients of `micro.numerator / estimate`.
+
+        What `objective()` does before the backward pass, done after it, for
+        a pass that cannot hold the all-reduce (one compiled by XLA): without
+        accumulation the gradients are scaled by estimate / all-reduced
+        denominator, which makes them exact, and the loss divided by it; with
+        accumulation under a loss scale the estimate is restored as there.
+        """
+        restore = None
+        if self.steps == 1 and micro.denominator is not None:
+            context = tf.distribute.get_replica_context()
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, micro.denominator)
+            factor = tf.math.divide_no_nan(estimate, total)
+            grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
+            micro = micro._replace(
+                numerator=tf.math.divide_no_nan(micro.numerator, total), denominator=None
+            )
+        elif self.loss_scale is not None:
+            restore = estimate
+        self.after_micro_batch(grads, micro, restore)
 
     def after_micro_batch(self, grads, micro, restore=None):
         """Called in replica context once the micro-batch gradient is known.

@@ -46,12 +46,11 @@ def replica_step(model, data):
     compiled = _compat.compile_loss(model)
     if compiled is not None:
         stateful += list(compiled.variables)
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    steps, loss_scale = engine.steps, engine.loss_scale
+    loss_scale = engine.loss_scale
     # Inside XLA the objective is divided by an estimate of the update's
-    # denominator (this share's x replicas x steps; exact for even shares);
-    # the all-reduced denominator corrects the gradients outside.
-    divide = steps == 1 or loss_scale is not None
+    # denominator (exact for even shares); the all-reduced denominator
+    # corrects the gradients outside.
+    divide = engine.steps == 1 or loss_scale is not None
     changed = []  # set while tracing: which of `stateful` the pass assigned
 
     def replica_pass(trainable_values, state_values, x, y, sample_weight, scale):
@@ -64,10 +63,7 @@ def replica_step(model, data):
                 micro = _loss.kept(
                     _loss.micro_batch_loss(model, y, y_pred, sample_weight), keep
                 )
-            estimate = tf.ones(())
-            if divide and micro.denominator is not None:
-                guess = micro.denominator * float(replicas * steps)
-                estimate = tf.where(guess > 0, guess, tf.ones_like(guess))
+            estimate = engine.denominator_estimate(micro) if divide else tf.ones(())
             objective = micro.numerator / estimate
             if scale is not None:
                 objective = objective * tf.cast(scale, objective.dtype)
@@ -91,19 +87,6 @@ def replica_step(model, data):
     for t, mask in zip(keras.tree.flatten(y_pred), masks):
         if mask is not None:
             _compat.set_keras_mask(t, mask)
-    # What `UpdateEngine.objective()` does, with its all-reduce outside XLA.
-    contribution, restore = micro, None
-    if steps == 1 and micro.denominator is not None:
-        total = tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, micro.denominator
-        )
-        factor = tf.math.divide_no_nan(estimate, total)
-        grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
-        contribution = micro._replace(
-            numerator=tf.math.divide_no_nan(micro.numerator, total), denominator=None
-        )
-    elif loss_scale is not None:
-        restore = estimate
-    engine.after_micro_batch(grads, contribution, restore)
+    engine.after_estimated_micro_batch(grads, micro, estimate)
     model._track_loss(micro)
     return model._step_logs(x, y, y_pred, sample_weight)
