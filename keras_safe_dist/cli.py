@@ -41,6 +41,9 @@ def build_parser():
         prog="keras-safe-dist",
         description="Correct, observable data-parallel Keras training on tf.distribute.",
     )
+    parser.add_argument(
+        "--verbose", action="store_true", help="also print TensorFlow's C++ log lines"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_launch(commands)
     _add_doctor(commands)
@@ -50,6 +53,10 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if not args.verbose:
+        # TensorFlow's C++ start-up lines (CUDA probes, CPU features), read
+        # when TensorFlow loads.
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return _COMMANDS[args.command](args)
 
 
@@ -58,9 +65,15 @@ def _add_launch(commands):
         "launch",
         help="run a script as several local MultiWorkerMirroredStrategy workers",
         description=(
-            "Runs SCRIPT as N workers on 127.0.0.1 with free ports and a TF_CONFIG "
-            "each, prefixes their output with the worker index, and kills them "
-            "all when one fails or the timeout passes."
+            "Runs SCRIPT as N local workers with free ports and a TF_CONFIG "
+            "each (they find each other at 127.0.0.1), prefixes their output "
+            "with the worker index, and kills every worker's process group "
+            "when one fails, the timeout passes, or the launcher gets SIGINT, "
+            "SIGTERM or SIGHUP. Exit status: 0, the first failing worker's "
+            "(128+N for signal N), 124 on timeout, 128+N when the launcher got "
+            "signal N, 2 for bad arguments. Note: TensorFlow's worker service "
+            "listens on every network interface, unauthenticated; use a "
+            "firewall or a private network."
         ),
     )
     launch.add_argument("--workers", type=_positive_int, default=2, help="number of workers (default 2)")
@@ -105,7 +118,6 @@ def _add_doctor(commands):
 
 def _doctor(args):
     # Imported here: the doctor loads TensorFlow and Keras, `launch` does not.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
     from keras_safe_dist import doctor

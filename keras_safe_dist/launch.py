@@ -1,9 +1,16 @@
 """Start a script as several local MultiWorkerMirroredStrategy workers.
 
-For local runs and tests only: every worker listens on 127.0.0.1. On a real
-cluster, give each machine its own `TF_CONFIG` (see the README).
+For local runs and tests: the workers find each other at 127.0.0.1. Note that
+TensorFlow's gRPC worker service binds every network interface (`*:port`,
+IPv4 and IPv6) without authentication, whatever address `TF_CONFIG` names,
+and offers no option to bind one: run it behind a firewall or on a private
+network. On a real cluster, give each machine its own `TF_CONFIG` (see the
+README).
+
+This module imports neither TensorFlow nor Keras.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -42,8 +49,10 @@ class WorkerGroup:
     """Local worker processes of one cluster, started and stopped together.
 
     Each worker runs `python script *args` (or `python -m module *args`) with
-    its own `TF_CONFIG`, in its own process group. Output lines are passed to `on_line(index, line)`,
-    which by default prints them with a `[worker i]` prefix.
+    its own `TF_CONFIG`, in its own process group, which `kill()` ends with
+    every process the worker started. Output lines are passed to
+    `on_line(index, line)`, which by default prints them with a `[worker i]`
+    prefix; bytes that are not UTF-8 become replacement characters.
 
     Args:
         script: path of the Python script every worker runs. It must create
@@ -97,7 +106,6 @@ class WorkerGroup:
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                text=True,
                 start_new_session=True,
             )
             reader = threading.Thread(
@@ -109,14 +117,19 @@ class WorkerGroup:
         return self
 
     def _read(self, index, process):
+        # Bytes, not text: one byte that is not UTF-8 must not end the reader,
+        # or the pipe fills and the worker blocks.
         for line in process.stdout:
-            self.on_line(index, line.rstrip("\n"))
+            self.on_line(index, line.decode("utf-8", errors="replace").rstrip("\r\n"))
 
     def wait(self, timeout):
         """Waits for every worker; kills the group if one fails or time runs out.
 
+        Whatever happens, no process of a worker's group outlives this call
+        (a worker that exited may have left children behind).
+
         Returns:
-            The exit codes, one per worker; -9 for a killed worker.
+            The exit codes, one per worker; -N for a worker a signal N ended.
 
         Raises:
             TimeoutError: when the workers did not all finish within
@@ -140,47 +153,103 @@ class WorkerGroup:
                     "was started late."
                 )
             time.sleep(0.1)
+        self.kill()  # the children of workers that exited
         for reader in self._readers:
             reader.join(timeout=5)
         return [p.wait() for p in self.processes]
 
     def kill(self, index=None):
-        """Kills one worker's process group, or all of them."""
+        """Kills one worker's process group, or all of them.
+
+        A group outlives its worker while the worker's children run, so a
+        worker that already exited has its group killed too.
+        """
         chosen = self.processes if index is None else [self.processes[index]]
         for process in chosen:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # the group is gone
         for process in chosen:
             process.wait()
+
+
+# Signals that end the launcher; its workers are killed first.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Stopped(Exception):
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def launch(script, workers=2, args=(), timeout=600, env=None):
     """Runs `script` as `workers` local workers and returns one exit status.
 
+    SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher kill every worker's
+    process group before it returns.
+
     Returns:
-        0 when every worker succeeded, else the exit status of the first
-        worker that failed (the others are killed), or 124 when the timeout
-        killed them.
+        0 when every worker succeeded; else, as a shell reports it, the exit
+        status of the first worker that failed (128 + N for one that signal N
+        ended; the others are killed), 124 when the timeout killed them, or
+        128 + N when the launcher got signal N.
     """
-    group = WorkerGroup(script, workers=workers, args=args, env=env).start()
-    try:
-        codes = group.wait(timeout)
-    except TimeoutError as error:
-        print(f"keras-safe-dist launch: {error}", file=sys.stderr)
-        return 124
+    group = WorkerGroup(script, workers=workers, args=args, env=env)
+    with _stop_on_signals():
+        try:
+            group.start()
+            codes = group.wait(timeout)
+        except TimeoutError as error:
+            print(f"keras-safe-dist launch: {error}", file=sys.stderr)
+            return 124
+        except _Stopped as stopped:
+            group.kill()
+            name = signal.Signals(stopped.signum).name
+            print(f"keras-safe-dist launch: got {name}; killed the workers.", file=sys.stderr)
+            return 128 + stopped.signum
+        finally:
+            group.kill()
     if group.first_failure is not None:
         index, code = group.first_failure
         print(
-            f"keras-safe-dist launch: worker {index} exited with status {code}; "
+            f"keras-safe-dist launch: worker {index} {_ended(code)}; "
             "killed the other workers.",
             file=sys.stderr,
         )
-        return code
+        return shell_status(code)
     failed = [code for code in codes if code != 0]
-    return failed[0] if failed else 0
+    return shell_status(failed[0]) if failed else 0
+
+
+def shell_status(code):
+    """A `Popen.returncode` as a shell reports it: -N (signal N) becomes 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+def _ended(code):
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Turns the stop signals into `_Stopped` (only the main thread can handle signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 _print_lock = threading.Lock()

@@ -1,6 +1,12 @@
 """`keras-safe-dist launch`: ports, TF_CONFIG, prefixed output, failure and timeout handling."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 
 import pytest
 
@@ -95,3 +101,101 @@ def test_worker_group_runs_a_module_with_python_m(tmp_path):
 def test_worker_group_needs_exactly_one_of_script_and_module(script, module):
     with pytest.raises(ValueError, match=f"Received: script={script!r}, module={module!r}"):
         WorkerGroup(script, module=module)
+
+
+# Orphans and signals: each script's name is unique, so `pgrep -f` finds every
+# process of its group, children included.
+
+
+def _survivors(marker):
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    return found.stdout.split()
+
+
+def _sleeper_script(tmp_path, marker, body=""):
+    """A worker that starts a child sleeping under `marker`, says "ready", runs `body`, then sleeps."""
+    path = tmp_path / f"{marker}.py"
+    path.write_text(
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', '{marker}'])\n"
+        "print('ready', flush=True)\n"
+        f"{body}"
+        "time.sleep(120)\n"
+    )
+    return str(path)
+
+
+def _launcher(path, workers=2):
+    return subprocess.Popen(
+        [sys.executable, "-m", "keras_safe_dist", "launch", "--workers", str(workers), path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_launcher_kills_every_worker_and_child(tmp_path, signum):
+    marker = f"ksd_signal_{uuid.uuid4().hex}"
+    launcher = _launcher(_sleeper_script(tmp_path, marker))
+    try:
+        for _ in range(2):  # both workers started their child
+            assert "ready" in launcher.stdout.readline()
+        launcher.send_signal(signum)
+        launcher.wait(timeout=30)
+        err = launcher.stderr.read()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 128 + signum
+    assert f"got {signal.Signals(signum).name}; killed the workers." in err
+    assert _survivors(marker) == []
+
+
+def test_a_worker_that_exits_leaves_no_child_behind(tmp_path):
+    marker = f"ksd_orphan_{uuid.uuid4().hex}"
+    path = _sleeper_script(tmp_path, marker, body="sys.exit(0)\n")
+    assert WorkerGroup(path, workers=2, on_line=lambda *_: None).start().wait(60) == [0, 0]
+    assert _survivors(marker) == []
+
+
+def test_a_worker_killed_by_a_signal_exits_128_plus_n(tmp_path, capsys):
+    path = script(tmp_path, "import signal\nif index == 0:\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)\n")
+    assert cli.main(["launch", "--workers", "2", "--timeout", "30", path]) == 128 + 9
+    assert "worker 0 was killed by SIGKILL; killed the other workers." in capsys.readouterr().err
+
+
+def test_bytes_that_are_not_utf8_become_replacement_characters(tmp_path, capsys):
+    path = script(
+        tmp_path,
+        "sys.stdout.buffer.write(b'bad \\xff byte\\n'); sys.stdout.flush()\n"
+        "print('after', index)\n",
+    )
+    assert cli.main(["launch", "--workers", "2", "--timeout", "30", path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == sorted(
+        [f"[worker {i}] bad \ufffd byte" for i in (0, 1)] + [f"[worker {i}] after {i}" for i in (0, 1)]
+    )
+
+
+def test_launch_help_and_argument_errors_return_without_loading_tensorflow():
+    code = (
+        "import sys, time\n"
+        "sys.argv = ['keras-safe-dist', 'launch', '--workers', '0', 'x.py']\n"
+        "start = time.perf_counter()\n"
+        "from keras_safe_dist.cli import main\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exit:\n"
+        "    print(exit.code, 'tensorflow' in sys.modules, 'keras' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False", "False"]
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_safe_dist", "launch", "--help"], capture_output=True, text=True, timeout=60
+    )
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0 and "firewall" in done.stdout
+    assert seconds < 2.0, seconds  # TensorFlow alone takes about 4 s to import
