@@ -168,8 +168,9 @@ def _add_report(commands):
             "reports, nan_onset.json, TensorBoard event files) and prints the "
             "findings, the NaN onset if any and the update statistics of each "
             "run. Exit status: 0 when no finding is at or above --fail-on, 1 "
-            "otherwise, 2 for a missing log directory or one with nothing to "
-            "report."
+            "otherwise, 2 for a missing log directory, one with nothing to "
+            "report, or a report file it cannot read (named on stderr). "
+            "Damaged event files are skipped with a warning."
         ),
     )
     report.add_argument("log_dir", metavar="LOGDIR", help="the log directory given to the callbacks")
@@ -187,10 +188,10 @@ def _report(args):
 
     try:
         report = report_module.read_log_dir(args.log_dir)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, NotADirectoryError) as error:
         print(f"keras-safe-dist report: {error}", file=sys.stderr)
         return 2
-    if not (report.audits or report.nan_onset or report.runs):
+    if not (report.audits or report.nan_onsets or report.runs or report.errors):
         print(
             f"keras-safe-dist report: nothing to report under {args.log_dir}: no "
             "audit_*.json, nan_onset.json or logged update statistics. Pass the "
@@ -202,6 +203,12 @@ def _report(args):
         print(json.dumps(report.to_dict(args.fail_on), indent=2, sort_keys=True))
     else:
         print(report_module.format_text(report, args.fail_on))
+    for problem in report.warnings:
+        print(f"keras-safe-dist report: skipped {problem.path}: {problem.problem}", file=sys.stderr)
+    for problem in report.errors:
+        print(f"keras-safe-dist report: cannot read {problem.path}: {problem.problem}", file=sys.stderr)
+    if report.errors:
+        return 2  # the findings may be incomplete
     return 1 if report.failing(args.fail_on) else 0
 
 

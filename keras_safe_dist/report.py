@@ -1,28 +1,41 @@
 """Reading back what the callbacks wrote into a log directory.
 
 `read_log_dir` gathers the audit reports (`audit_<name>.json`), the NaN onset
-report (`nan_onset.json`) and, from TensorBoard event files, the update
-statistics of each run (`safe_distributed/<name>` from `Dashboard`, or
+reports (`nan_onset.json`, one per run) and, from TensorBoard event files, the
+update statistics of each run (`safe_distributed/<name>` from `Dashboard`, or
 `epoch_<name>` from `keras.callbacks.TensorBoard`). `keras-safe-dist report`
 prints it and gates on the findings.
+
+It imports neither TensorFlow nor Keras: event files are read with the
+`tensorboard` package's own record reader and protocol buffers.
 """
 
 import dataclasses
 import json
 import os
 
-import tensorflow as tf
-from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.tensorflow_stub import errors as record_errors
+from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+from tensorboard.util import tensor_util
 
-from keras_safe_dist.callbacks.dashboard import PREFIX
-from keras_safe_dist.callbacks.dashboard import STATISTICS
 from keras_safe_dist.findings import SEVERITIES
 from keras_safe_dist.findings import AuditReport
 from keras_safe_dist.findings import Finding
+from keras_safe_dist.statistics import PREFIX
+from keras_safe_dist.statistics import STATISTICS
 
-__all__ = ["LogDirReport", "RunStatistics", "format_text", "read_log_dir"]
+__all__ = ["LogDirReport", "RunStatistics", "UnreadableFile", "format_text", "read_log_dir"]
 
 NAN_ONSET_FILE = "nan_onset.json"
+
+
+@dataclasses.dataclass
+class UnreadableFile:
+    """A file `read_log_dir` could not read, and why."""
+
+    path: str
+    problem: str
 
 
 @dataclasses.dataclass
@@ -52,18 +65,32 @@ class RunStatistics:
 
 @dataclasses.dataclass
 class LogDirReport:
-    """Everything `read_log_dir` found."""
+    """Everything `read_log_dir` found.
+
+    Attributes:
+        log_dir: the directory read.
+        audits: the `AuditReport`s.
+        nan_onsets: `(run, report)` for each `nan_onset.json`, `run` being
+            its folder relative to `log_dir`.
+        runs: the `RunStatistics` of each run that logged update statistics.
+        errors: the `UnreadableFile`s among the reports (audit and NaN onset
+            JSON files): what they held is missing from the findings.
+        warnings: the `UnreadableFile`s among the event files: the values
+            read before the damage are kept.
+    """
 
     log_dir: str
     audits: list
-    nan_onset: dict
+    nan_onsets: list
     runs: list
+    errors: list = dataclasses.field(default_factory=list)
+    warnings: list = dataclasses.field(default_factory=list)
 
     def findings(self):
-        """The audit findings, plus `NAN001` for a NaN onset."""
+        """The audit findings, plus `NAN001` for each NaN onset."""
         findings = [f for report in self.audits for f in report.findings]
-        if self.nan_onset is not None:
-            findings += _nan_findings(self.nan_onset)
+        for _, onset in self.nan_onsets:
+            findings += _nan_findings(onset)
         return findings
 
     def failing(self, fail_on):
@@ -78,8 +105,10 @@ class LogDirReport:
         return {
             "log_dir": self.log_dir,
             "audits": [report.to_dict() for report in self.audits],
-            "nan_onset": self.nan_onset,
+            "nan_onsets": [{"run": run, **onset} for run, onset in self.nan_onsets],
             "runs": [{"run": r.run, "statistics": r.summary()} for r in self.runs],
+            "errors": [dataclasses.asdict(e) for e in self.errors],
+            "warnings": [dataclasses.asdict(w) for w in self.warnings],
             "counts": counts,
             "fail_on": fail_on,
             "failed": bool(self.failing(fail_on)),
@@ -89,49 +118,103 @@ class LogDirReport:
 def read_log_dir(log_dir):
     """Reads the reports and statistics written under `log_dir`.
 
+    A report file that cannot be read (not JSON, truncated, not the shape
+    the callbacks write) lands in `errors`, a damaged event file in
+    `warnings`; neither stops the rest from being read.
+
     Raises:
-        FileNotFoundError: when `log_dir` is not a directory.
+        FileNotFoundError: when `log_dir` does not exist.
+        NotADirectoryError: when `log_dir` is a file.
     """
+    log_dir = os.fspath(log_dir)
+    if os.path.isfile(log_dir):
+        raise NotADirectoryError(
+            f"{log_dir} is a file; report reads the log directory given to the "
+            f"callbacks (here perhaps {os.path.dirname(log_dir) or '.'})"
+        )
     if not os.path.isdir(log_dir):
         raise FileNotFoundError(f"log directory not found: {log_dir}")
-    audits, nan_onset, runs = [], None, []
+    report = LogDirReport(log_dir, [], [], [])
     for folder, _, files in sorted(os.walk(log_dir)):
+        run = os.path.relpath(folder, log_dir)
         for name in sorted(files):
             path = os.path.join(folder, name)
             if name.startswith("audit_") and name.endswith(".json"):
-                with open(path) as f:
-                    audits.append(AuditReport.from_dict(json.load(f)))
-            elif name == NAN_ONSET_FILE and nan_onset is None:
-                with open(path) as f:
-                    nan_onset = json.load(f)
-        if any(".tfevents." in name for name in files):
-            run = _run_statistics(log_dir, folder)
-            if run.values:
-                runs.append(run)
-    return LogDirReport(os.fspath(log_dir), audits, nan_onset, runs)
+                audit = _read_json(path, AuditReport.from_dict, report.errors)
+                if audit is not None:
+                    report.audits.append(audit)
+            elif name == NAN_ONSET_FILE:
+                onset = _read_json(path, _checked_onset, report.errors)
+                if onset is not None:
+                    report.nan_onsets.append((run, onset))
+        events = [os.path.join(folder, n) for n in sorted(files) if ".tfevents." in n]
+        values = _run_statistics(events, report.warnings)
+        if values:
+            report.runs.append(RunStatistics(run, values))
+    return report
 
 
-def _run_statistics(log_dir, folder):
-    accumulator = event_accumulator.EventAccumulator(
-        folder, size_guidance={"tensors": 0, "scalars": 0}
-    )
-    accumulator.Reload()
-    tags = accumulator.Tags()
+def _read_json(path, parse, errors):
+    """`parse(json)` of the file at `path`, or None with the problem added to `errors`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse(json.load(f))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        errors.append(UnreadableFile(path, f"not readable as JSON ({error})"))
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        errors.append(
+            UnreadableFile(path, f"JSON not of the shape keras_safe_dist writes ({error!r})")
+        )
+    return None
+
+
+def _checked_onset(data):
+    if not isinstance(data, dict):
+        raise TypeError(f"expected an object, received {type(data).__name__}")
+    _nan_findings(data)  # raises for a malformed stored finding
+    return data
+
+
+def _run_statistics(paths, warnings):
+    """`{statistic: [value per logged epoch]}` from one run's event files.
+
+    Values of `safe_distributed/<name>` (the Dashboard's) are preferred to
+    `epoch_<name>` (keras.callbacks.TensorBoard's) for the same statistic.
+    """
+    series = {}  # tag: [value, ...]
+    tags = {f"{PREFIX}/{n}" for n in STATISTICS} | {f"epoch_{n}" for n in STATISTICS}
+    for path in paths:
+        try:
+            for event in _events(path):
+                for value in event.summary.value:
+                    if value.tag in tags:
+                        series.setdefault(value.tag, []).append(_scalar(value))
+        except (record_errors.OpError, OSError, ValueError) as error:
+            # A DecodeError is a ValueError.
+            warnings.append(UnreadableFile(path, f"event file damaged, read up to it: {error}"))
     values = {}
     for name in STATISTICS:
         for tag in (f"{PREFIX}/{name}", f"epoch_{name}"):
-            if tag in tags.get("tensors", ()):
-                events = accumulator.Tensors(tag)
-                values[name] = [_scalar(e.tensor_proto) for e in events]
+            if tag in series:
+                values[name] = series[tag]
                 break
-            if tag in tags.get("scalars", ()):
-                values[name] = [e.value for e in accumulator.Scalars(tag)]
-                break
-    return RunStatistics(os.path.relpath(folder, log_dir), values)
+    return values
 
 
-def _scalar(proto):
-    return float(tf.make_ndarray(proto))
+def _events(path):
+    reader = pywrap_tensorflow.PyRecordReader_New(path)
+    while True:
+        try:
+            reader.GetNext()
+        except record_errors.OutOfRangeError:
+            return
+        yield event_pb2.Event.FromString(reader.record())
+
+
+def _scalar(value):
+    if value.HasField("tensor"):
+        return float(tensor_util.make_ndarray(value.tensor))
+    return float(value.simple_value)
 
 
 def _nan_findings(onset):
@@ -172,8 +255,9 @@ def format_text(report, fail_on="error"):
     findings = [
         (audit.name, f) for audit in report.audits for f in audit.findings
     ]
-    if report.nan_onset is not None:
-        findings += [("nan onset", f) for f in _nan_findings(report.nan_onset)]
+    for run, onset in report.nan_onsets:
+        label = "nan onset" if run == "." else f"nan onset ({run})"
+        findings += [(label, f) for f in _nan_findings(onset)]
     if findings:
         lines += [
             "| audit | code | severity | subject | message | fix |",
@@ -187,12 +271,12 @@ def format_text(report, fail_on="error"):
     else:
         lines.append(f"none ({len(report.audits)} audit reports read)")
     lines += ["", "NaN onset:"]
-    if report.nan_onset is None:
+    if not report.nan_onsets:
         lines.append("none recorded")
-    else:
-        onset = report.nan_onset
+    for run, onset in report.nan_onsets:
         first = _nan_findings(onset)[0]
-        lines.append(onset.get("summary") or f"{first.subject}: {first.message}")
+        prefix = "" if len(report.nan_onsets) == 1 else f"[{run}] "
+        lines.append(prefix + (onset.get("summary") or f"{first.subject}: {first.message}"))
     lines += ["", "Update statistics per run:"]
     if report.runs:
         lines += [
@@ -202,11 +286,14 @@ def format_text(report, fail_on="error"):
         for run in report.runs:
             for name, s in run.summary().items():
                 lines.append(
-                    f"| {run.run} | {name} | {s['last']:.4g} | {s['max']:.4g} "
-                    f"| {s['mean']:.4g} |"
+                    f"| {run.run} | {name} | {_number(s['last'])} | {_number(s['max'])} "
+                    f"| {_number(s['mean'])} |"
                 )
     else:
         lines.append("none logged")
+    for title, problems in (("Unreadable reports", report.errors), ("Skipped", report.warnings)):
+        if problems:
+            lines += ["", f"{title}:"] + [f"- {p.path}: {p.problem}" for p in problems]
     failing = report.failing(fail_on)
     lines += [
         "",
@@ -214,3 +301,10 @@ def format_text(report, fail_on="error"):
         + (": failing." if failing else "."),
     ]
     return "\n".join(lines)
+
+
+def _number(value):
+    """Counts as integers (`0`, not `0.0000e+00`), other values to 4 significant digits."""
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}"

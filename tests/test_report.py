@@ -1,6 +1,8 @@
 """`keras-safe-dist report LOGDIR` and the Dashboard callback."""
 
 import json
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -105,7 +107,7 @@ def test_report_json_and_fail_on_levels(tmp_path, capsys):
     assert code == 0
     data = json.loads(out)
     assert data["counts"] == {"error": 0, "warning": 1, "info": 0}
-    assert (data["fail_on"], data["failed"], data["nan_onset"]) == ("error", False, None)
+    assert (data["fail_on"], data["failed"], data["nan_onsets"]) == ("error", False, [])
     assert sorted(a["name"] for a in data["audits"]) == ["aggregation", "scope", "training_mode"]
     (run,) = data["runs"]
     assert run["run"] == "."
@@ -197,8 +199,94 @@ def test_report_reads_the_nan_onset_detector_output(tmp_path, capsys):
     code, out, _ = run_cli(capsys, str(tmp_path), "--json")
     assert code == 1
     data = json.loads(out)
-    assert (data["nan_onset"]["epoch"], data["nan_onset"]["batch"], data["nan_onset"]["kind"]) == (0, 1, "inputs")
+    (onset,) = data["nan_onsets"]
+    assert (onset["run"], onset["epoch"], onset["batch"], onset["kind"]) == (".", 0, 1, "inputs")
     assert data["counts"]["error"] == 1
     code, out, _ = run_cli(capsys, str(tmp_path))
     assert f"| nan onset | NAN001 | error | {detector.report['finding']['subject']} |" in out
     assert detector.report["summary"] in out
+
+
+def _onset(epoch, batch):
+    return {"epoch": epoch, "batch": batch, "kind": "inputs", "layer": None, "replica": 0, "variables": [], "history": []}
+
+
+def _write_scalars(folder, tag, values):
+    with tf.summary.create_file_writer(str(folder)).as_default() as writer:
+        for step, value in enumerate(values):
+            tf.summary.scalar(tag, value, step=step)
+    writer.flush()
+    writer.close()
+    (path,) = folder.glob("*.tfevents.*")
+    return path
+
+
+def test_unreadable_reports_exit_2_naming_each_file_and_keep_the_rest(tmp_path, capsys):
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "run1" / "nan_onset.json").write_text('{"epoch": 1, "bat')  # truncated
+    (tmp_path / "audit_scope.json").write_bytes(b"\x00\xff\x10binary")
+    (tmp_path / "audit_mode.json").write_text("[1, 2]")  # JSON, not an audit report
+    (tmp_path / "run2").mkdir()
+    (tmp_path / "run2" / "nan_onset.json").write_text(json.dumps(_onset(0, 4)))
+    code, out, err = run_cli(capsys, str(tmp_path))
+    assert code == 2
+    assert "epoch 0, batch 4" in out  # the readable onset is still reported
+    problems = [line for line in err.splitlines() if "cannot read" in line]
+    assert len(problems) == 3
+    assert f"cannot read {tmp_path / 'run1' / 'nan_onset.json'}: not readable as JSON" in err
+    assert f"cannot read {tmp_path / 'audit_scope.json'}: not readable as JSON" in err
+    assert f"cannot read {tmp_path / 'audit_mode.json'}: JSON not of the shape keras_safe_dist writes" in err
+    data = json.loads(run_cli(capsys, str(tmp_path), "--json")[1])
+    assert sorted(e["path"] for e in data["errors"]) == sorted(
+        str(p) for p in (tmp_path / "run1" / "nan_onset.json", tmp_path / "audit_scope.json", tmp_path / "audit_mode.json")
+    )
+
+
+def test_every_runs_nan_onset_is_reported(tmp_path, capsys):
+    for run, batch in (("first", 2), ("second", 7)):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "nan_onset.json").write_text(json.dumps(_onset(0, batch)))
+    code, out, _ = run_cli(capsys, str(tmp_path))
+    assert code == 1
+    assert "| nan onset (first) | NAN001 | error | epoch 0, batch 2 |" in out
+    assert "| nan onset (second) | NAN001 | error | epoch 0, batch 7 |" in out
+    data = json.loads(run_cli(capsys, str(tmp_path), "--json")[1])
+    assert [(o["run"], o["batch"]) for o in data["nan_onsets"]] == [("first", 2), ("second", 7)]
+    assert data["counts"]["error"] == 2
+
+
+def test_a_damaged_event_file_is_skipped_with_a_warning_and_earlier_values_kept(tmp_path, capsys):
+    path = _write_scalars(tmp_path, "safe_distributed/skipped_updates", [0.0, 0.0, 3.0])
+    intact = path.read_bytes()
+    path.write_bytes(intact[:-7])  # the last record cut short
+    code, out, err = run_cli(capsys, str(tmp_path))
+    assert code == 0
+    assert "| . | skipped_updates | 0 | 0 | 0 |" in out  # counts print as integers
+    assert f"skipped {path}: event file damaged, read up to it:" in err and "truncated" in err
+    assert "Skipped:" in out
+    path.write_bytes(intact)
+    code, out, err = run_cli(capsys, str(tmp_path))
+    assert "| . | skipped_updates | 3 | 3 | 1 |" in out and err == ""
+
+
+def test_report_on_a_file_says_it_wants_the_log_directory(tmp_path, capsys):
+    (tmp_path / "nan_onset.json").write_text(json.dumps(_onset(0, 1)))
+    code, _, err = run_cli(capsys, str(tmp_path / "nan_onset.json"))
+    assert code == 2
+    assert f"{tmp_path / 'nan_onset.json'} is a file; report reads the log directory" in err
+
+
+def test_report_reads_logs_without_loading_tensorflow(tmp_path):
+    _write_scalars(tmp_path, "safe_distributed/grad_norm", [1.5])
+    code = (
+        "import sys\n"
+        f"sys.argv = ['keras-safe-dist', 'report', {str(tmp_path)!r}]\n"
+        "from keras_safe_dist.cli import main\n"
+        "status = main()\n"
+        f"missing = main(['report', {str(tmp_path / 'missing')!r}])\n"
+        "print(status, missing, 'tensorflow' in sys.modules, 'keras' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "| . | grad_norm | 1.5 | 1.5 | 1.5 |" in done.stdout
+    assert done.stdout.splitlines()[-1].split() == ["0", "2", "False", "False"]
+    assert f"log directory not found: {tmp_path / 'missing'}" in done.stderr

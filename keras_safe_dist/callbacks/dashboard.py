@@ -8,19 +8,12 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from keras_safe_dist.distributed import is_chief
+from keras_safe_dist.statistics import PREFIX
+from keras_safe_dist.statistics import STATISTICS
 
 __all__ = ["Dashboard", "DASHBOARD_TITLE", "STATISTICS", "layout"]
 
 DASHBOARD_TITLE = "safe distributed training"
-
-# log name: chart title
-STATISTICS = {
-    "grad_norm": "gradient norm (reduced, before clipping)",
-    "clip_rate": "clip rate (share of updates clipped)",
-    "skipped_updates": "skipped non-finite updates",
-    "samples_per_update": "samples per update",
-}
-PREFIX = "safe_distributed"
 
 
 def layout():
