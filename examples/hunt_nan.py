@@ -11,16 +11,16 @@ reduced update is non-finite and skipped.
 that replica's share of the batch once with every layer's output checked,
 names the layer, puts back the weights from before the batch and stops. It
 writes `nan_onset.json`, `nan_onset_batch.npz` and a TensorBoard text summary
-into a temporary log directory and prints one paragraph; this script then
-prints the report's fields.
+into the log directory (`logs/hunt_nan` unless `--log-dir` says otherwise) and
+prints one paragraph; this script then prints the report's fields.
 
 Run:
-    PYTHONPATH=. python examples/hunt_nan.py
+    python examples/hunt_nan.py [--log-dir DIR]
 """
 
+import argparse
 import json
 import os
-import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -45,7 +45,7 @@ class SafeLog(keras.layers.Layer):
         return tf.math.log(1.0 + inputs)
 
 
-def main():
+def main(log_dir):
     rng = np.random.default_rng(0)
     x = rng.uniform(0.0, 1.0, size=(640, 8)).astype("float32")
     y = (x @ rng.normal(size=(8, 1))).astype("float32")
@@ -61,7 +61,6 @@ def main():
         model = SafeDistributedModel(inputs, outputs)
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
 
-    log_dir = tempfile.mkdtemp(prefix="hunt_nan_")
     detector = NaNOnsetDetector(log_dir=log_dir, action="restore", history=5)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[detector])
 
@@ -78,7 +77,10 @@ def main():
     print("finding:", saved["finding"]["code"], saved["finding"]["subject"])
     finite = all(np.isfinite(w).all() for w in model.get_weights())
     print("weights finite after restore:", finite)
+    print(f"report files in {log_dir}; keras-safe-dist report {log_dir} reads them")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--log-dir", default=os.path.join("logs", "hunt_nan"), help="default: logs/hunt_nan")
+    main(parser.parse_args().log_dir)

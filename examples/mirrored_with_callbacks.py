@@ -13,7 +13,7 @@ Run:
 """
 
 import argparse
-import tempfile
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -80,10 +80,9 @@ def main(log_dir):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--log-dir", help="where to write the logs (default: a temporary folder)")
-    args = parser.parse_args()
-    if args.log_dir:
-        main(args.log_dir)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            main(tmp)
+    parser.add_argument(
+        "--log-dir",
+        default=os.path.join("logs", "mirrored_with_callbacks"),
+        help="where to write the logs, kept for TensorBoard (default: logs/mirrored_with_callbacks)",
+    )
+    main(parser.parse_args().log_dir)

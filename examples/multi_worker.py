@@ -17,7 +17,6 @@ Run:
 
 import os
 import sys
-import tempfile
 
 if "TF_CONFIG" not in os.environ:
     from keras_safe_dist.launch import launch
@@ -57,7 +56,8 @@ def main():
         )
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
 
-    backup = os.path.join(tempfile.gettempdir(), "keras_safe_dist_multi_worker_backup")
+    # Deleted when training ends; a crashed run resumes from it.
+    backup = os.path.join("logs", "multi_worker_backup")
     history = model.fit(
         dataset,
         epochs=3,

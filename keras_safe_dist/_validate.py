@@ -5,6 +5,7 @@ Each names the argument, what was expected and what was received.
 
 import numbers
 import os
+import tempfile
 
 
 def integer_at_least(name, value, minimum=1):
@@ -38,3 +39,21 @@ def optional_path(name, value):
             f"Received: {name}={value!r}"
         )
     return os.fspath(value)
+
+
+def writable_directory(owner, name, path):
+    """Creates the directory `path` if needed and checks that a file can be written in it.
+
+    Raises:
+        OSError: of the same kind as the failure, naming `owner`, the
+            argument, the directory, the problem and what to do.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise type(error)(
+            f"{owner} cannot write to `{name}`={path!r}: {error.strerror or error}. "
+            f"Pass a directory it can create and write, or {name}=None."
+        ) from error

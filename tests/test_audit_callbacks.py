@@ -174,6 +174,8 @@ def test_on_finding_warn_raise_and_ignore():
         warnings.simplefilter("error")
         assert run(on_finding="ignore").report.codes() == ("AGG003",)
         assert len(run(ignore=["AGG003"]).report) == 0
+        assert len(run(ignore=(code for code in ["AGG003"])).report) == 0  # read once
+        assert run(ignore=iter(()), on_finding="ignore").ignore == ()
 
 
 def test_one_callback_object_reports_each_fit_afresh():
@@ -236,7 +238,8 @@ def test_only_the_chief_writes(tmp_path, monkeypatch):
     "kwargs, error, match",
     [
         ({"on_finding": "loud"}, ValueError, r"`on_finding` must be one of \('warn', 'raise', 'ignore'\). Received: on_finding='loud'"),
-        ({"ignore": "AGG003"}, TypeError, r"`ignore` must be a list or tuple of finding codes, e.g. ignore=\['MODE003'\]. Received: ignore='AGG003'"),
+        ({"ignore": "AGG003"}, TypeError, r"`ignore` must be a collection of finding codes, e.g. ignore=\['MODE003'\]. Received: ignore='AGG003'"),
+        ({"ignore": 3}, TypeError, r"`ignore` must be a collection of finding codes, e.g. ignore=\['MODE003'\]. Received: ignore=3"),
         ({"ignore": ["AGG999"]}, ValueError, r"Unknown finding codes in `ignore`: \['AGG999'\]. Available: AGG001, "),
         ({"log_dir": 3}, TypeError, r"`log_dir` must be a path \(str or os.PathLike\) or None. Received: log_dir=3"),
     ],

@@ -4,26 +4,39 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name):
+# What examples and our callbacks could leave in the system temp folder.
+TEMP_PREFIXES = ("hunt_nan_", "keras_safe_dist_")
+
+
+def _temp_entries():
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(TEMP_PREFIXES)}
+
+
+def run_example(name, cwd):
+    """Runs an example in `cwd`, where it keeps its logs; returns its output."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    before = _temp_entries()
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / name)],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
+        cwd=cwd,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert _temp_entries() - before == set()
     return result.stdout
 
 
-def test_accumulate_uneven_applies_partial_group_and_clips():
-    lines = run_example("accumulate_uneven.py").splitlines()
+def test_accumulate_uneven_applies_partial_group_and_clips(tmp_path):
+    lines = run_example("accumulate_uneven.py", tmp_path).splitlines()
     assert lines[0] == (
         "replicas: 2, micro-batches per epoch: 16, updates per epoch: 6 "
         "(5 x 192 samples + 1 x 40)"
@@ -37,8 +50,8 @@ def test_accumulate_uneven_applies_partial_group_and_clips():
     assert float(rows[0][3]) == 1.0  # every early update is clipped
 
 
-def test_multi_worker_launches_two_workers_that_agree():
-    lines = run_example("multi_worker.py").splitlines()
+def test_multi_worker_launches_two_workers_that_agree(tmp_path):
+    lines = run_example("multi_worker.py", tmp_path).splitlines()
     checksums = {line.split()[1]: line.split()[-1] for line in lines if "weights checksum" in line}
     assert sorted(checksums) == ["0]", "1]"]
     assert checksums["0]"] == checksums["1]"]
@@ -47,8 +60,8 @@ def test_multi_worker_launches_two_workers_that_agree():
     assert all(line.endswith("samples per update 80") for line in summary)
 
 
-def test_mirrored_with_callbacks_audits_clean_and_reports_statistics():
-    out = run_example("mirrored_with_callbacks.py")
+def test_mirrored_with_callbacks_audits_clean_and_reports_statistics(tmp_path):
+    out = run_example("mirrored_with_callbacks.py", tmp_path)
     lines = out.splitlines()
     losses = [float(line.split()[3].rstrip(",")) for line in lines if line.startswith("epoch ")]
     assert len(losses) == 4 and losses[-1] < losses[0]
@@ -57,11 +70,13 @@ def test_mirrored_with_callbacks_audits_clean_and_reports_statistics():
     assert "training_mode audit: 0 errors, 0 warnings, 0 info" in lines
     assert "none (3 audit reports read)" in lines
     assert any(line.startswith("| . | samples_per_update | 64 |") for line in lines)
-    assert lines[-1].startswith("Open the dashboard with: tensorboard --logdir ")
+    log_dir = tmp_path / "logs" / "mirrored_with_callbacks"
+    assert lines[-1] == f"Open the dashboard with: tensorboard --logdir {os.path.join('logs', 'mirrored_with_callbacks')}"
+    assert (log_dir / "audit_scope.json").is_file()  # kept for TensorBoard
 
 
-def test_subclassed_model_matches_stock_keras_and_reloads():
-    lines = run_example("subclassed_model.py").splitlines()
+def test_subclassed_model_matches_stock_keras_and_reloads(tmp_path):
+    lines = run_example("subclassed_model.py", tmp_path).splitlines()
     assert lines[0] == "replicas: 2, micro-batch 16, accumulation 3"
     assert all(line.endswith("last update 8 samples") for line in lines[1:4])
     difference = float(lines[4].rsplit(" ", 1)[1])
@@ -69,8 +84,8 @@ def test_subclassed_model_matches_stock_keras_and_reloads():
     assert lines[5] == "reloaded ResidualRegressor: accumulation 3, global_clipnorm 1.0, same predictions: True"
 
 
-def test_hunt_nan_names_batch_replica_and_layer_and_restores():
-    lines = run_example("hunt_nan.py").splitlines()
+def test_hunt_nan_names_batch_replica_and_layer_and_restores(tmp_path):
+    lines = run_example("hunt_nan.py", tmp_path).splitlines()
     assert lines[0].startswith("NaN onset at epoch 0, batch 9, replica 1: a layer output that is non-finite")
     fields = dict(line.split(": ", 1) for line in lines[2:9])
     assert fields == {
@@ -84,4 +99,6 @@ def test_hunt_nan_names_batch_replica_and_layer_and_restores():
     }
     assert "files: ['nan_onset.json', 'nan_onset_batch.npz']" in lines
     assert "finding: NAN001 safe_log" in lines
-    assert lines[-1] == "weights finite after restore: True"
+    assert lines[-2] == "weights finite after restore: True"
+    assert lines[-1] == "report files in logs/hunt_nan; keras-safe-dist report logs/hunt_nan reads them"
+    assert (tmp_path / "logs" / "hunt_nan" / "nan_onset.json").is_file()

@@ -46,7 +46,7 @@ class AuditCallback(keras.callbacks.Callback):
     Args:
         log_dir: where to write the report; None writes nothing.
         on_finding: `"warn"`, `"raise"` or `"ignore"`.
-        ignore: finding codes to drop, e.g. `("MODE003",)`.
+        ignore: finding codes to drop, any iterable of str, e.g. `("MODE003",)`.
     """
 
     name = None
@@ -58,20 +58,10 @@ class AuditCallback(keras.callbacks.Callback):
                 f"`on_finding` must be one of {_ON_FINDING}. "
                 f"Received: on_finding={on_finding!r}"
             )
-        if isinstance(ignore, str) or not all(isinstance(c, str) for c in ignore):
-            raise TypeError(
-                "`ignore` must be a list or tuple of finding codes, e.g. "
-                f"ignore=['MODE003']. Received: ignore={ignore!r}"
-            )
-        unknown = [code for code in ignore if code not in CODES]
-        if unknown:
-            raise ValueError(
-                f"Unknown finding codes in `ignore`: {unknown}. "
-                f"Available: {', '.join(CODES)}"
-            )
+        ignore = _finding_codes(ignore)
         self.log_dir = _validate.optional_path("log_dir", log_dir)
         self.on_finding = on_finding
-        self.ignore = tuple(ignore)
+        self.ignore = ignore
         self.report = None
         self._acted_on = set()
 
@@ -112,3 +102,29 @@ def describe(report, findings=None):
     for f in report.at_least("warning") if findings is None else findings:
         lines.append(f"[{f.code}] {f.severity} {f.subject}: {f.message} Fix: {f.fix}")
     return "\n".join(lines)
+
+
+def _finding_codes(ignore):
+    """`ignore` as a tuple of known finding codes; any iterable of str, read once.
+
+    Raises:
+        TypeError: for a single string or anything but an iterable of str.
+        ValueError: for an unknown code.
+    """
+    received = repr(ignore)
+    if not isinstance(ignore, (str, bytes)):
+        try:
+            ignore = tuple(ignore)  # a generator is read a single time
+        except TypeError:
+            pass
+    if not isinstance(ignore, tuple) or not all(isinstance(c, str) for c in ignore):
+        raise TypeError(
+            "`ignore` must be a collection of finding codes, e.g. "
+            f"ignore=['MODE003']. Received: ignore={received}"
+        )
+    unknown = [code for code in ignore if code not in CODES]
+    if unknown:
+        raise ValueError(
+            f"Unknown finding codes in `ignore`: {unknown}. Available: {', '.join(CODES)}"
+        )
+    return ignore

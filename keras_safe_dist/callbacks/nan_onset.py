@@ -2,6 +2,7 @@
 
 import collections
 import math
+import warnings
 
 import keras
 
@@ -149,6 +150,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 + ". Use action='stop' or 'restore', or a SafeDistributedModel."
             )
         self._check_steps_per_execution(model)
+        if self.log_dir is not None and distributed.is_chief(model.distribute_strategy):
+            # Before any training: the report is written at the onset.
+            _validate.writable_directory("NaNOnsetDetector", "log_dir", self.log_dir)
         self.report = None
         self._loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         self._replicas = model.distribute_strategy.num_replicas_in_sync
@@ -300,9 +304,20 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             model.stop_training = True
         _nan_report.finish(report, self.action, self.max_consecutive_skips)
         named = {r: self._probe.named(share) for r, share in shares.items()}
-        _nan_report.write(
-            report, self.log_dir, named, report["step"], model.distribute_strategy
-        )
+        try:
+            _nan_report.write(
+                report, self.log_dir, named, report["step"], model.distribute_strategy
+            )
+        except OSError as error:
+            # The report is what the user needs: keep it, print it, and say
+            # what could not be written.
+            report["files"] = {}
+            report["summary"] = _nan_report.paragraph(report)
+            warnings.warn(
+                f"NaNOnsetDetector could not write its report to log_dir={self.log_dir!r}: "
+                f"{error}. The report is printed below and kept in `detector.report`.",
+                stacklevel=2,
+            )
         self.report = report
         if distributed.is_chief(model.distribute_strategy):
             print(report["summary"])

@@ -1,0 +1,111 @@
+"""Callbacks that write files: a folder they cannot write fails before training,
+a failed write loses nothing, and nothing is left in the system temp folder."""
+
+import os
+import tempfile
+
+import keras
+import numpy as np
+import pytest
+
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist import _nan_report
+from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore
+from keras_safe_dist.callbacks import NaNOnsetDetector
+
+from conftest import regression_data
+from conftest import strategy_for
+
+
+def model_and_data(replicas=1):
+    x, y, _ = regression_data(32)
+    with strategy_for(replicas).scope():
+        inputs = keras.Input((4,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    return model, x, y
+
+
+def unwritable(tmp_path):
+    """A folder no one can create, even root: its parent is a regular file."""
+    (tmp_path / "file.txt").write_text("")
+    return tmp_path / "file.txt" / "logs"
+
+
+class CountBatches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+def test_nan_detector_with_an_unwritable_log_dir_fails_before_training(tmp_path):
+    model, x, y = model_and_data()
+    counter = CountBatches()
+    log_dir = unwritable(tmp_path)
+    with pytest.raises(NotADirectoryError) as error:
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[NaNOnsetDetector(log_dir=log_dir), counter])
+    message = str(error.value)
+    assert f"NaNOnsetDetector cannot write to `log_dir`={str(log_dir)!r}: Not a directory." in message
+    assert "Pass a directory it can create and write, or log_dir=None." in message
+    assert counter.batches == 0
+
+
+def test_nan_report_that_cannot_be_written_is_still_kept_and_printed(replicas, tmp_path, monkeypatch, capsys):
+    model, x, y = model_and_data(replicas)
+    x[13, 0] = np.nan  # batch 1
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_nan_report, "write", full_disk)
+    detector = NaNOnsetDetector(log_dir=tmp_path)
+    with pytest.warns(UserWarning, match="could not write its report to log_dir=") as caught:
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[detector])
+    assert "No space left on device" in str(caught[0].message)
+    report = detector.report
+    assert (report["batch"], report["kind"], report["files"]) == (1, "inputs", {})
+    assert report["summary"] in capsys.readouterr().out
+
+
+def test_backup_with_an_unwritable_dir_fails_before_training(tmp_path):
+    model, x, y = model_and_data()
+    counter = CountBatches()
+    backup_dir = unwritable(tmp_path)
+    with pytest.raises(OSError, match="MultiWorkerBackupAndRestore cannot write its backup to") as error:
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[MultiWorkerBackupAndRestore(str(backup_dir)), counter])
+    assert "Pass a `backup_dir` that every worker can create and write." in str(error.value)
+    assert counter.batches == 0
+
+
+def test_non_chief_backup_lives_under_the_backup_dir_and_is_removed(tmp_path, monkeypatch):
+    from keras_safe_dist import distributed
+
+    model, x, y = model_and_data()
+    seen = []
+
+    class Look(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(sorted(os.listdir(tmp_path / "backup")))
+
+    monkeypatch.setattr(distributed, "is_chief", lambda strategy=None: False)
+    monkeypatch.setattr(distributed, "worker_name", lambda strategy=None: "worker_1")
+    before = set(os.listdir(tempfile.gettempdir()))
+    callback = MultiWorkerBackupAndRestore(str(tmp_path / "backup"))
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[callback, Look()])
+    assert seen == [["worker_1"], ["worker_1"]]
+    assert not (tmp_path / "backup").exists()
+    assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("keras_safe_dist_backup")]
+
+
+def test_chief_removes_only_its_files_and_the_folder_once_empty(tmp_path):
+    model, x, y = model_and_data()
+    backup = tmp_path / "backup"
+    (backup / "worker_1").mkdir(parents=True)  # another worker still removing its copy
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[MultiWorkerBackupAndRestore(str(backup))])
+    assert sorted(os.listdir(backup)) == ["worker_1"]
+    (backup / "worker_1").rmdir()
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[MultiWorkerBackupAndRestore(str(backup))])
+    assert not backup.exists()
