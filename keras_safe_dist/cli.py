@@ -5,6 +5,7 @@ which returns the exit status; bad arguments exit with status 2.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -116,11 +117,34 @@ def _add_doctor(commands):
     )
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced(silenced):
+    """Points file descriptor 2 at /dev/null while TensorFlow starts.
+
+    TensorFlow's C++ start-up lines (CUDA probes, "All log messages before
+    absl::InitializeLog()") are written before its log level applies.
+    """
+    if not silenced:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _doctor(args):
     # Imported here: the doctor loads TensorFlow and Keras, `launch` does not.
-    import tensorflow as tf
+    quiet = not args.verbose
+    with _native_stderr_silenced(quiet):
+        import tensorflow as tf
 
-    from keras_safe_dist import doctor
+        from keras_safe_dist import doctor
 
     # Each probe traces fresh models on purpose; retracing warnings are noise.
     tf.get_logger().setLevel("ERROR")
@@ -131,7 +155,8 @@ def _doctor(args):
         print(f"keras-safe-dist doctor: {error}", file=sys.stderr)
         return 2
     try:
-        strategy = doctor.make_strategy(args.replicas)
+        with _native_stderr_silenced(quiet):  # devices start here
+            strategy = doctor.make_strategy(args.replicas)
     except RuntimeError as error:
         print(f"keras-safe-dist doctor: {error}", file=sys.stderr)
         return 2

@@ -249,3 +249,20 @@ def test_doctor_json_run_passes_every_probe_for_safe_distributed_model():
     assert "[10/10] nonfinite-skip: fixed" in process.stderr
     defects = [p["name"] for p in report["probes"] if p["stock"]["ok"] is False]
     assert defects == [name for name in NAMES if name != "identity-nan"]
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_tensorflow_start_up_lines_appear_only_with_verbose(verbose):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    argv = ["--verbose"] * verbose + ["doctor", "--only", "identity-nan"]
+    process = subprocess.run(
+        [sys.executable, "-m", "keras_safe_dist", *argv],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    lines = process.stderr.splitlines()
+    if not verbose:
+        assert lines[0] == "[1/1] identity-nan ..."
+    native = [line for line in lines if "absl::InitializeLog" in line or line.startswith(("I0000", "E0000"))]
+    assert bool(native) is verbose, lines
