@@ -28,6 +28,7 @@ Usage:
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -145,8 +146,40 @@ def interleave(configs, baseline, x, y, batch, rounds):
     }
 
 
+def step_times(configs, x, y, batch, rounds, steps):
+    """Microseconds per call of each model's train function, in blocks of `steps`.
+
+    Calls `train_function` directly on a repeated dataset, as `fit()` does
+    between callbacks, with one host read per block: the step's own cost,
+    without Keras's per-step Python work (the same for every model).
+
+    Returns:
+        name: median microseconds per step over `rounds` interleaved blocks.
+    """
+    times = {name: [] for name in configs}
+    iterators = {}
+    for name, model in configs.items():
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
+        iterators[name] = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
+        model.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, verbose=0)  # builds
+        for _ in range(5):
+            model.train_function(iterators[name])  # warm-up: tracing
+    names = list(configs)
+    with no_collection():
+        for round_ in range(rounds):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                function, iterator = configs[name].train_function, iterators[name]
+                start = time.perf_counter()
+                for _ in range(steps):
+                    logs = function(iterator)
+                float(logs["loss"])
+                times[name].append(1e6 * (time.perf_counter() - start) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def bench_plain(strategies, rounds, quick):
-    """The plain step against stock, per model and setting."""
+    """The plain step against stock, per model and setting: whole epochs, and steps alone."""
     results = {}
     for name in ("MLP 64-256-256-10", "MLP 256-1024-1024-10"):
         x, y, batch = _data(name, quick)
@@ -156,7 +189,17 @@ def bench_plain(strategies, rounds, quick):
                 "safe": _model(name, SafeDistributedModel, strategy),
             }
             timed = interleave(configs, "stock", x, y, batch, rounds)
-            results[f"{name}, batch {batch}, {setting}"] = timed["safe"]
+            # The skip decision waits for every gradient before any update.
+            configs["no skip"] = _model(
+                name, functools.partial(SafeDistributedModel, skip_nonfinite=False), strategy
+            )
+            steps = step_times(configs, x, y, batch, rounds, max(10, -(-len(x) // batch)))
+            results[f"{name}, batch {batch}, {setting}"] = dict(
+                timed["safe"],
+                step_us={key: round(value, 1) for key, value in steps.items()},
+                step_cost_us=steps["safe"] - steps["stock"],
+                no_skip_step_cost_us=steps["no skip"] - steps["stock"],
+            )
     return results
 
 
@@ -300,14 +343,30 @@ def _print_memory(memory, setup):
     )
 
 
+def _print_plain(rows, rounds):
+    print(f"Plain step, SafeDistributedModel against stock keras.Model ({rounds} rounds; SGD)")
+    print(
+        f"{'configuration':<48}{'epoch ratio':>12}{'per step':>11}"
+        f"{'stock step':>12}{'safe step':>11}{'step cost':>11}{'without skip':>14}"
+    )
+    for name, row in rows.items():
+        print(
+            f"{name:<48}{row['median_ratio']:>12.3f}{row['per_step_us']:>+8.0f} us"
+            f"{row['step_us']['stock']:>9.0f} us{row['step_us']['safe']:>8.0f} us"
+            f"{row['step_cost_us']:>+8.0f} us{row['no_skip_step_cost_us']:>+11.0f} us"
+        )
+    print(
+        "(epoch ratio: median over rounds of safe / stock epoch time; per step: from the"
+        " median epochs; step: train_function alone, median us per step; without skip:"
+        " the step cost with skip_nonfinite=False)"
+    )
+    print()
+
+
 def _print_report(report):
     rounds = report["setup"]["rounds"]
     if "plain" in report:
-        _print_timed(
-            f"Plain step, SafeDistributedModel against stock keras.Model ({rounds} rounds; SGD)",
-            report["plain"],
-            "stock's",
-        )
+        _print_plain(report["plain"], rounds)
     if "execution" in report:
         _print_timed(
             f"steps_per_execution on 2 replicas, MLP 64-256-256-10, batch 64 ({rounds} rounds)",
