@@ -9,10 +9,10 @@ import tensorflow as tf
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
-from keras_safe_dist import _nan_probe
 from keras_safe_dist import _shares
 from keras_safe_dist import _validate
 from keras_safe_dist import _xla
+from keras_safe_dist import nan
 from keras_safe_dist._update import UpdateEngine
 from keras_safe_dist.audits import scope as _scope
 
@@ -176,13 +176,26 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         `model.jit_compile` reads False: Keras's whole-step compile is off),
         and `jit_compile="auto"` resolves to False.
 
+        Args:
+            optimizer: as in `keras.Model.compile`, without its own clipping
+                or accumulation (give those to `SafeDistributedModel`).
+            *args: the other arguments of `keras.Model.compile`.
+            **kwargs: the other arguments of `keras.Model.compile`.
+
         Raises:
             ScopeError: when the model, the optimizer or a metric object was
-                built outside the strategy that trains the model.
+                built outside the strategy that trains the model, or
+                `compile()` is called inside another strategy's scope.
             ValueError: when the optimizer carries `clipnorm`,
                 `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`;
                 or, on several replicas, for `jit_compile=True` with a layer
                 that synchronizes the replicas in its forward pass.
+
+        Example:
+
+        ```python
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")  # no clipnorm here
+        ```
         """
         own = _compat.model_strategy(self)
         if own is not None and not tf.distribute.has_strategy():
@@ -240,6 +253,18 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     def fit(self, *args, **kwargs):
         """Same as `keras.Model.fit`; `batch_size` is the micro-batch size.
 
+        With `gradient_accumulation_steps=k` an optimizer update happens every
+        k micro-batches (and for a partial group at the end of each epoch).
+        The update statistics join the logs when `log_update_stats=True` or a
+        callback asks for them (`Dashboard`, `NaNOnsetDetector`).
+
+        Args:
+            *args: the arguments of `keras.Model.fit`.
+            **kwargs: the arguments of `keras.Model.fit`.
+
+        Returns:
+            A `keras.callbacks.History`, as `keras.Model.fit` returns.
+
         Raises:
             ScopeError: when the model, the optimizer, the loss scale or a
                 metric was built outside the strategy that trains the model,
@@ -247,6 +272,12 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             ValueError: when a `tf.SparseTensor` input would leave a replica
                 an empty share of the last batch, which TensorFlow's input
                 pipeline cannot split.
+
+        Example:
+
+        ```python
+        history = model.fit(x, y, batch_size=32, epochs=3)  # 32 samples per micro-batch
+        ```
         """
         _scope.check_scope("SafeDistributedModel.fit()", self)
         _check_sparse_split(
@@ -261,12 +292,18 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
+        """Same as `keras.Model.train_on_batch`: one micro-batch, stock log keys.
+
+        With `gradient_accumulation_steps=k` the weights change on every k-th
+        call. No callback is involved, so the update statistics are returned
+        only with `log_update_stats=True`.
+        """
         self._set_requests(None)
         return super().train_on_batch(*args, **kwargs)
 
     def _set_requests(self, callbacks):
         """What the step adds to the logs, from the option and the callbacks."""
-        self._nan_probe_request = _nan_probe.request_from(callbacks)
+        self._nan_probe_request = nan.request_from(callbacks)
         self._stats_requested = self.log_update_stats or _requests_update_stats(
             callbacks
         )
@@ -296,7 +333,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._update_engine = UpdateEngine(self)
         self._nan_probe = None
         if self._nan_probe_request is not None:
-            self._nan_probe = _nan_probe.NaNProbe(
+            self._nan_probe = nan.NaNProbe(
                 self, self._nan_probe_request, _compat.train_data_specs(self)
             )
         self._xla_step = None
@@ -314,7 +351,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         # XLA cannot assign a batch of another shape to the capture variables,
         # and copies the weights where a plain step shares their buffers; the
         # weight check costs more inside the compiled step than before it
-        # (benchmarks/bench_nan_variants.py). So compile the step with XLA on
+        # (docs/benchmarks.md). So compile the step with XLA on
         # its own, and capture, copy and check before it. Held in a plain
         # function: SavedModel exports a model's tf.function attributes, and
         # cannot export a train step.
@@ -473,7 +510,20 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
 class SafeDistributedFunctional(SafeDistributedModel, _compat.Functional):
-    """The class `SafeDistributedModel(inputs=..., outputs=...)` returns."""
+    """The class `SafeDistributedModel(inputs=..., outputs=...)` returns.
+
+    A functional model (Keras's `Functional`) with `SafeDistributedModel`'s
+    train step; its arguments are those of `SafeDistributedModel`. Not meant
+    to be built by name: `isinstance(model, SafeDistributedModel)` holds.
+
+    Example:
+
+    ```python
+    inputs = keras.Input((8,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    print(type(model).__name__)  # SafeDistributedFunctional
+    ```
+    """
 
 
 # Legacy `.h5` files name a model's class without its package; register the

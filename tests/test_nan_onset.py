@@ -9,8 +9,8 @@ import tensorflow as tf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from keras_safe_dist import SafeDistributedModel
-from keras_safe_dist import _nan_probe
 from keras_safe_dist.callbacks import NaNOnsetDetector
+from keras_safe_dist.nan import probe as _nan_probe
 
 from conftest import regression_data
 from conftest import strategy_for

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from keras_safe_dist import SafeDistributedModel
-from keras_safe_dist import _nan_report
 from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore
 from keras_safe_dist.callbacks import NaNOnsetDetector
+from keras_safe_dist.nan import report as _nan_report
 
 from conftest import regression_data
 from conftest import strategy_for

@@ -6,9 +6,9 @@ from keras_safe_dist.callbacks.audit_callback import AuditError
 from keras_safe_dist.callbacks.audit_callback import AuditWarning
 from keras_safe_dist.callbacks.backup_and_restore import MultiWorkerBackupAndRestore
 from keras_safe_dist.callbacks.dashboard import Dashboard
-from keras_safe_dist.callbacks.nan_onset import NaNOnsetDetector
 from keras_safe_dist.callbacks.scope_audit import ScopeAudit
 from keras_safe_dist.callbacks.training_mode_audit import TrainingModeAudit
+from keras_safe_dist.nan.callback import NaNOnsetDetector
 
 __all__ = [
     "AggregationAudit",

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
-from keras_safe_dist import _nan_probe
+from keras_safe_dist.nan import probe as _nan_probe
 
 __all__ = ["Replay", "replay"]
 

@@ -6,14 +6,14 @@ import warnings
 
 import keras
 
-from keras_safe_dist import _nan_locate
-from keras_safe_dist import _nan_probe
-from keras_safe_dist import _nan_report
 from keras_safe_dist import _update
 from keras_safe_dist import _validate
 from keras_safe_dist import distributed
 from keras_safe_dist import summaries
 from keras_safe_dist.model import SafeDistributedModel
+from keras_safe_dist.nan import locate as _nan_locate
+from keras_safe_dist.nan import probe as _nan_probe
+from keras_safe_dist.nan import report as _nan_report
 
 __all__ = ["NaNOnsetDetector"]
 
@@ -81,10 +81,16 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             updates in a row end training; integer >= 1.
 
     Raises:
-        ValueError: for an invalid argument; when training begins, for
+        ValueError: for an `action` other than `"stop"`, `"restore"` and
+            `"continue"`, or a `history` or `max_consecutive_skips` that is
+            not an integer >= 1; when training begins, for
             `action="continue"` without a SafeDistributedModel that skips
             non-finite updates, or for `steps_per_execution > 1` with a
             plain `keras.Model`, `run_eagerly=True` or `action="continue"`.
+        TypeError: when `log_dir` is neither None, a str nor an
+            `os.PathLike`.
+        OSError: when training begins, for a `log_dir` the chief cannot
+            create or write.
 
     Example:
 
@@ -118,7 +124,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     requests_update_stats = True
 
     def nan_probe_request(self):
-        """What `SafeDistributedModel.fit` builds into its train step for this detector."""
+        """What `SafeDistributedModel.fit` builds into its train step for this detector.
+
+        Returns:
+            A `ProbeRequest`: weight snapshots with `action="restore"`, a
+            count of applied updates with `action="continue"`.
+        """
         return _nan_probe.ProbeRequest(
             snapshot=self.action == "restore", count_updates=self.action == "continue"
         )

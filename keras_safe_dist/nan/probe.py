@@ -96,9 +96,19 @@ _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 class ProbeRequest(NamedTuple):
     """What a detector asks of the train step.
 
-    Attributes:
+    A callback makes one in its `nan_probe_request()` method;
+    `SafeDistributedModel` builds a `NaNProbe` from it.
+
+    Args:
         snapshot: copy the weights and optimizer state before each step.
         count_updates: log `applied_updates`.
+
+    Example:
+
+    ```python
+    request = ProbeRequest(snapshot=True, count_updates=False)
+    print(request.snapshot)  # True
+    ```
     """
 
     snapshot: bool
@@ -106,7 +116,27 @@ class ProbeRequest(NamedTuple):
 
 
 def request_from(callbacks):
-    """The `ProbeRequest` of the first callback that makes one, or None."""
+    """The `ProbeRequest` of the first callback that makes one, or None.
+
+    A callback makes one when it has a callable `nan_probe_request`
+    attribute, as `NaNOnsetDetector` does.
+
+    Args:
+        callbacks: a list (possibly nested) of callbacks, a
+            `keras.callbacks.CallbackList`, or None.
+
+    Returns:
+        The first callback's `nan_probe_request()`, or None when no callback
+        has one.
+
+    Example:
+
+    ```python
+    detector = keras_safe_dist.callbacks.NaNOnsetDetector(action="restore")
+    request = request_from([keras.callbacks.History(), detector])
+    print(request)  # ProbeRequest(snapshot=True, count_updates=False)
+    ```
+    """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     for callback in keras.tree.flatten(callbacks or []):
@@ -173,10 +203,6 @@ def _sum_term(tensor):
     return tf.cast(tf.reduce_sum(tensor), tf.float32)
 
 
-# Kept under its old name for benchmarks/bench_nan_variants.py.
-_input_term = _sum_term
-
-
 def _finite_flag(tensors):
     """0.0 when every element of `tensors` is finite, NaN otherwise; never a false NaN.
 
@@ -204,11 +230,30 @@ def _tensor_term(tensor):
 class NaNProbe:
     """The probe's variables and its in-graph logic.
 
+    `SafeDistributedModel` builds one with its train function when a callback
+    asks for it (`request_from`), calls `begin_step` and `logs` in each
+    replica's step, and the detector reads the captured batch and restores
+    the snapshots on the host. The variables are created in the model's
+    strategy scope.
+
     Args:
         model: the `SafeDistributedModel`, compiled, its optimizer built.
         request: a `ProbeRequest`.
         specs: the structure of one batch (KerasTensors with an unknown batch
             dimension), or None to capture nothing.
+
+    Raises:
+        ValueError: when the model's strategy has more than `MAX_REPLICAS`
+            (8191) replicas in sync.
+
+    Example:
+
+    ```python
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    probe = NaNProbe(model, ProbeRequest(snapshot=True, count_updates=False), specs=None)
+    print(probe.log_names)  # ('nonfinite_replicas',)
+    ```
     """
 
     def __init__(self, model, request, specs):
@@ -273,6 +318,15 @@ class NaNProbe:
         Called outside an XLA-compiled step, which cannot change a variable's
         shape; there the copies share buffers, and the compiled step runs
         after the check.
+
+        Args:
+            data: this replica's share of the batch, `(x, y, sample_weight)`
+                or what `keras.utils.unpack_x_y_sample_weight` accepts.
+
+        Returns:
+            A list holding the weights' term (a scalar tensor) on a worker's
+            first replica, an empty list on its other replicas or when the
+            model has no floating trainable weights.
         """
         chain = _Chain()
         if self.capture is not None:
@@ -304,6 +358,10 @@ class NaNProbe:
             grads: its local gradients.
             weight_terms: what `begin_step` returned, or () when the weights'
                 flag is added after the step (`with_weight_flags`).
+
+        Returns:
+            A dict of log entries: `nonfinite_replicas`, and `applied_updates`
+            when the request counts updates.
         """
         values = _input_values(keras.tree.flatten(data))
         inputs = [_finite_flag(values)] if values else []
@@ -329,6 +387,12 @@ class NaNProbe:
         detector reads them; the logs then carry `executed_steps`. The same
         test as the detector's: a flag, a non-finite loss, or a non-finite
         gradient norm outside loss scaling.
+
+        Args:
+            logs: the step's logs, reduced across replicas.
+
+        Returns:
+            A boolean scalar tensor.
         """
         fired = tf.not_equal(logs["nonfinite_replicas"], 0)
         names = ["loss"] + ([] if self.loss_scaled else ["grad_norm"])
@@ -339,7 +403,16 @@ class NaNProbe:
         return fired
 
     def with_weight_flags(self, logs, weight_terms):
-        """`logs` of a step that did not check the weights, with their flag added."""
+        """`logs` of a step that did not check the weights, with their flag added.
+
+        Args:
+            logs: the step's logs, holding `nonfinite_replicas`.
+            weight_terms: what `begin_step` returned.
+
+        Returns:
+            A new dict: `logs` with the weights' flag added to
+            `nonfinite_replicas`.
+        """
         logs = dict(logs)
         flag = _nonfinite_sum([weight_terms], self._scales()[2:], self.dtype)
         logs["nonfinite_replicas"] = logs["nonfinite_replicas"] + flag
@@ -359,7 +432,11 @@ class NaNProbe:
     # Host side.
 
     def captured_shares(self):
-        """{local replica index: (x, y, sample_weight) as NumPy} of the last step."""
+        """{local replica index: (x, y, sample_weight) as NumPy} of the last step.
+
+        Returns:
+            A dict, empty when the probe captures nothing (`specs=None`).
+        """
         if self.capture is None:
             return {}
         locals_ = [
@@ -375,7 +452,15 @@ class NaNProbe:
         }
 
     def named(self, share):
-        """`(names, arrays)` of a captured share, in the order of `self.names`."""
+        """`(names, arrays)` of a captured share, in the order of `self.names`.
+
+        Args:
+            share: one value of `captured_shares()`.
+
+        Returns:
+            `(self.names, arrays)`: the share's arrays, its `None` entries
+            left out.
+        """
         return self.names, [a for a in keras.tree.flatten(share) if a is not None]
 
     def restore(self, previous=False):
