@@ -23,6 +23,7 @@ from keras_safe_dist.findings import SEVERITIES
 from keras_safe_dist.findings import AuditReport
 from keras_safe_dist.findings import Finding
 from keras_safe_dist.statistics import PREFIX
+from keras_safe_dist.statistics import RUN as DASHBOARD_RUN
 from keras_safe_dist.statistics import STATISTICS
 
 __all__ = ["LogDirReport", "RunStatistics", "UnreadableFile", "format_text", "read_log_dir"]
@@ -32,7 +33,20 @@ NAN_ONSET_FILE = "nan_onset.json"
 
 @dataclasses.dataclass
 class UnreadableFile:
-    """A file `read_log_dir` could not read, and why."""
+    """A file `read_log_dir` could not read, and why.
+
+    Args:
+        path: the file's path.
+        problem: what went wrong, in one line.
+
+    Example:
+
+    ```python
+    report = read_log_dir("logs")
+    for unreadable in report.errors + report.warnings:
+        print(unreadable.path, unreadable.problem)
+    ```
+    """
 
     path: str
     problem: str
@@ -42,17 +56,29 @@ class UnreadableFile:
 class RunStatistics:
     """The update statistics one TensorBoard run logged, per epoch.
 
-    Attributes:
+    Args:
         run: the run's folder, relative to the log directory (`.` for the
             root).
         values: `{statistic: [value per logged epoch]}`.
+
+    Example:
+
+    ```python
+    for run in read_log_dir("logs").runs:
+        print(run.run, run.summary()["grad_norm"]["max"])
+    ```
     """
 
     run: str
     values: dict
 
     def summary(self):
-        """`{statistic: {"last", "max", "mean"}}` over the logged epochs."""
+        """`{statistic: {"last", "max", "mean"}}` over the logged epochs.
+
+        Returns:
+            A dict: for each statistic, a dict of its last, largest and mean
+            value.
+        """
         return {
             name: {
                 "last": series[-1],
@@ -67,7 +93,7 @@ class RunStatistics:
 class LogDirReport:
     """Everything `read_log_dir` found.
 
-    Attributes:
+    Args:
         log_dir: the directory read.
         audits: the `AuditReport`s.
         nan_onsets: `(run, report)` for each `nan_onset.json`, `run` being
@@ -77,6 +103,14 @@ class LogDirReport:
             JSON files): what they held is missing from the findings.
         warnings: the `UnreadableFile`s among the event files: the values
             read before the damage are kept.
+
+    Example:
+
+    ```python
+    report = read_log_dir("logs")
+    for finding in report.failing("warning"):
+        print(finding.code, finding.subject)
+    ```
     """
 
     log_dir: str
@@ -87,18 +121,51 @@ class LogDirReport:
     warnings: list = dataclasses.field(default_factory=list)
 
     def findings(self):
-        """The audit findings, plus `NAN001` for each NaN onset."""
+        """The audit findings, plus `NAN001` for each NaN onset.
+
+        Returns:
+            A list of `Finding`s, the audits' first, in the order read.
+        """
         findings = [f for report in self.audits for f in report.findings]
         for _, onset in self.nan_onsets:
             findings += _nan_findings(onset)
         return findings
 
     def failing(self, fail_on):
-        """The findings of severity `fail_on` or worse."""
+        """The findings of severity `fail_on` or worse.
+
+        Args:
+            fail_on: `"error"`, `"warning"` or `"info"`.
+
+        Returns:
+            A list of `Finding`s.
+
+        Raises:
+            ValueError: when `fail_on` is not one of those severities.
+        """
+        if fail_on not in SEVERITIES:
+            raise ValueError(
+                f"`fail_on` must be one of {', '.join(repr(s) for s in SEVERITIES)}. "
+                f"Received: fail_on={fail_on!r}"
+            )
         worst = SEVERITIES.index(fail_on)
         return [f for f in self.findings() if SEVERITIES.index(f.severity) <= worst]
 
     def to_dict(self, fail_on="error"):
+        """The report as JSON-ready data, what `keras-safe-dist report --json` prints.
+
+        Args:
+            fail_on: the severity at or above which a finding fails the
+                report: `"error"`, `"warning"` or `"info"`.
+
+        Returns:
+            A dict with the keys `log_dir`, `audits`, `nan_onsets`, `runs`,
+            `errors`, `warnings`, `counts` (findings per severity),
+            `fail_on` and `failed`.
+
+        Raises:
+            ValueError: when `fail_on` is not one of those severities.
+        """
         counts = dict.fromkeys(SEVERITIES, 0)
         for finding in self.findings():
             counts[finding.severity] += 1
@@ -120,11 +187,28 @@ def read_log_dir(log_dir):
 
     A report file that cannot be read (not JSON, truncated, not the shape
     the callbacks write) lands in `errors`, a damaged event file in
-    `warnings`; neither stops the rest from being read.
+    `warnings`; neither stops the rest from being read. Every subfolder is
+    read: each `audit_<name>.json`, each `nan_onset.json` and the event
+    files of each run.
+
+    Args:
+        log_dir: the log directory given to the callbacks, a str or an
+            `os.PathLike`.
+
+    Returns:
+        A `LogDirReport`.
 
     Raises:
         FileNotFoundError: when `log_dir` does not exist.
         NotADirectoryError: when `log_dir` is a file.
+        TypeError: when `log_dir` is not a path (`os.fspath` refuses it).
+
+    Example:
+
+    ```python
+    report = keras_safe_dist.report.read_log_dir("logs")
+    print(len(report.findings()), "findings in", len(report.audits), "audit reports")
+    ```
     """
     log_dir = os.fspath(log_dir)
     if os.path.isfile(log_dir):
@@ -151,7 +235,29 @@ def read_log_dir(log_dir):
         values = _run_statistics(events, report.warnings)
         if values:
             report.runs.append(RunStatistics(run, values))
+    report.runs = _each_statistic_once(report.runs)
     return report
+
+
+def _each_statistic_once(runs):
+    """Drops what a Dashboard run beside a run (Keras's `train`) already holds.
+
+    `Dashboard` and `keras.callbacks.TensorBoard` given the same log
+    directory log the same statistics, in sibling runs.
+    """
+    dashboards = {
+        os.path.dirname(r.run): r.values
+        for r in runs
+        if os.path.basename(r.run) == DASHBOARD_RUN
+    }
+    kept = []
+    for run in runs:
+        beside = dashboards.get(os.path.dirname(run.run))
+        if beside is not None and os.path.basename(run.run) != DASHBOARD_RUN:
+            run = RunStatistics(run.run, {k: v for k, v in run.values.items() if k not in beside})
+        if run.values:
+            kept.append(run)
+    return kept
 
 
 def _read_json(path, parse, errors):
@@ -248,7 +354,30 @@ def _nan_finding(onset):
 
 
 def format_text(report, fail_on="error"):
-    """The report as the text `keras-safe-dist report` prints."""
+    """The report as the text `keras-safe-dist report` prints.
+
+    Sections: the findings as a markdown table, the NaN onsets, the update
+    statistics per run (last, max, mean), the unreadable files, and a last
+    line with the number of findings at or above `fail_on`.
+
+    Args:
+        report: a `LogDirReport`.
+        fail_on: `"error"`, `"warning"` or `"info"`.
+
+    Returns:
+        A str of several lines.
+
+    Raises:
+        ValueError: when `fail_on` is not one of those severities.
+
+    Example:
+
+    ```python
+    from keras_safe_dist.report import format_text, read_log_dir
+
+    print(format_text(read_log_dir("logs"), fail_on="warning"))
+    ```
+    """
     data = report.to_dict(fail_on)
     counts = ", ".join(f"{n} {sev}" for sev, n in data["counts"].items())
     lines = [f"Log directory: {report.log_dir}", "", f"Findings ({counts}):"]

@@ -1,6 +1,6 @@
 """The update statistics' names, shared by the `Dashboard` and `report` (no TensorFlow)."""
 
-__all__ = ["PREFIX", "STATISTICS"]
+__all__ = ["PREFIX", "RUN", "STATISTICS"]
 
 # log name: chart title
 STATISTICS = {
@@ -9,5 +9,6 @@ STATISTICS = {
     "skipped_updates": "skipped non-finite updates",
     "samples_per_update": "samples per update",
 }
-# The Dashboard's tags: `PREFIX/<name>`.
+# The Dashboard's tags: `PREFIX/<name>`, in the TensorBoard run `<log_dir>/RUN`.
 PREFIX = "safe_distributed"
+RUN = "safe_distributed"

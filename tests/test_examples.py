@@ -69,7 +69,7 @@ def test_mirrored_with_callbacks_audits_clean_and_reports_statistics(tmp_path):
     assert "aggregation audit: 0 errors, 0 warnings, 0 info" in lines
     assert "training_mode audit: 0 errors, 0 warnings, 0 info" in lines
     assert "none (3 audit reports read)" in lines
-    assert any(line.startswith("| . | samples_per_update | 64 |") for line in lines)
+    assert any(line.startswith("| safe_distributed | samples_per_update | 64 |") for line in lines)
     log_dir = tmp_path / "logs" / "mirrored_with_callbacks"
     assert lines[-1] == f"Open the dashboard with: tensorboard --logdir {os.path.join('logs', 'mirrored_with_callbacks')}"
     assert (log_dir / "audit_scope.json").is_file()  # kept for TensorBoard

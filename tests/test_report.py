@@ -14,6 +14,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
 from keras_safe_dist import cli
+from keras_safe_dist.report import LogDirReport
+from keras_safe_dist.report import format_text
 from keras_safe_dist.report import read_log_dir
 
 from conftest import SumCounter
@@ -58,7 +60,7 @@ def test_report_prints_findings_and_statistics_and_fails_on_errors(tmp_path, cap
     assert "| training_mode | MODE003 | warning | frozen |" in out
     assert "NaN onset:\nnone recorded" in out
     last_clip = history["clip_rate"][-1]
-    assert f"| . | clip_rate | {last_clip:.4g} |" in out
+    assert f"| safe_distributed | clip_rate | {last_clip:.4g} |" in out
     assert out.rstrip().endswith("1 finding(s) at or above 'error': failing.")
 
 
@@ -110,7 +112,7 @@ def test_report_json_and_fail_on_levels(tmp_path, capsys):
     assert (data["fail_on"], data["failed"], data["nan_onsets"]) == ("error", False, [])
     assert sorted(a["name"] for a in data["audits"]) == ["aggregation", "scope", "training_mode"]
     (run,) = data["runs"]
-    assert run["run"] == "."
+    assert run["run"] == "safe_distributed"
     stats = run["statistics"]
     assert set(stats) == {"grad_norm", "clip_rate", "skipped_updates", "samples_per_update"}
     assert stats["grad_norm"]["last"] == pytest.approx(history["grad_norm"][-1], rel=1e-6)
@@ -164,7 +166,12 @@ def test_report_rejects_an_unknown_fail_on(capsys):
 
 def test_dashboard_writes_its_layout_once_per_run_and_the_statistics(tmp_path):
     history = train(str(tmp_path), 2, epochs=3)
-    events = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    # A named run, not the log directory's root (where the audits write).
+    root = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    root.Reload()
+    assert not [tag for tag in root.Tags()["tensors"] if tag.startswith("safe_distributed/")]
+    assert "custom_scalars__config__" not in root.Tags()["tensors"]
+    events = event_accumulator.EventAccumulator(str(tmp_path / "safe_distributed"), size_guidance={"tensors": 0})
     events.Reload()
     (config,) = events.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout()
@@ -183,6 +190,25 @@ def test_dashboard_writes_its_layout_once_per_run_and_the_statistics(tmp_path):
 def test_dashboard_rejects_a_bad_log_dir():
     with pytest.raises(TypeError, match=r"`log_dir` must be a path \(str or os.PathLike\). Received: log_dir=None"):
         callbacks.Dashboard(None)
+    with pytest.raises(ValueError, match=r"`run` must be a folder name, without separators. Received: run='a/b'"):
+        callbacks.Dashboard("logs", run="a/b")
+
+
+def test_report_lists_each_statistic_once_beside_keras_tensorboard(tmp_path, capsys):
+    with strategy_for(1).scope():
+        inputs = keras.Input((3,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    log_dir = str(tmp_path)
+    model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[
+        callbacks.Dashboard(log_dir), keras.callbacks.TensorBoard(log_dir),
+    ])
+    data = json.loads(run_cli(capsys, log_dir, "--json")[1])
+    assert [run["run"] for run in data["runs"]] == ["safe_distributed"]
+    assert data["runs"][0]["statistics"]["skipped_updates"] == {"last": 0.0, "max": 0.0, "mean": 0.0}
+    out = run_cli(capsys, log_dir)[1]
+    assert "| safe_distributed | skipped_updates | 0 | 0 | 0 |" in out
+    assert out.count("| samples_per_update |") == 1
 
 
 def test_report_reads_the_nan_onset_detector_output(tmp_path, capsys):
@@ -290,3 +316,12 @@ def test_report_reads_logs_without_loading_tensorflow(tmp_path):
     assert "| . | grad_norm | 1.5 | 1.5 | 1.5 |" in done.stdout
     assert done.stdout.splitlines()[-1].split() == ["0", "2", "False", "False"]
     assert f"log directory not found: {tmp_path / 'missing'}" in done.stderr
+
+
+def test_an_unknown_fail_on_in_the_api_names_the_argument(tmp_path):
+    report = LogDirReport(str(tmp_path), [], [], [], [], [])
+    assert report.failing("info") == []
+    with pytest.raises(ValueError, match=r"`fail_on` must be one of 'error', 'warning', 'info'. Received: fail_on='fatal'"):
+        report.failing("fatal")
+    with pytest.raises(ValueError, match=r"Received: fail_on='fatal'"):
+        format_text(report, fail_on="fatal")

@@ -9,6 +9,7 @@ from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from keras_safe_dist.distributed import is_chief
 from keras_safe_dist.statistics import PREFIX
+from keras_safe_dist.statistics import RUN
 from keras_safe_dist.statistics import STATISTICS
 
 __all__ = ["Dashboard", "DASHBOARD_TITLE", "STATISTICS", "layout"]
@@ -52,34 +53,47 @@ class Dashboard(keras.callbacks.Callback):
     `History` and the progress bar.
 
     Args:
-        log_dir: the TensorBoard log directory (the run is its root).
+        log_dir: the TensorBoard log directory, the one given to
+            `keras.callbacks.TensorBoard` if any.
+        run: the TensorBoard run this callback writes, a folder of
+            `log_dir` (beside Keras's `train` and `validation`).
+
+    Raises:
+        TypeError: when `log_dir` is not a path.
+        ValueError: when `run` is not a plain folder name.
 
     Example:
 
     ```python
     model.fit(x, y, callbacks=[keras_safe_dist.callbacks.Dashboard("logs")])
-    # tensorboard --logdir logs  ->  "Custom Scalars" tab
+    # tensorboard --logdir logs  ->  "Custom Scalars" tab; the run "safe_distributed"
     ```
     """
 
     # Read by SafeDistributedModel.fit(): log the update statistics.
     requests_update_stats = True
 
-    def __init__(self, log_dir):
+    def __init__(self, log_dir, run=RUN):
         super().__init__()
         if not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(
                 "`log_dir` must be a path (str or os.PathLike). "
                 f"Received: log_dir={log_dir!r}"
             )
+        if not isinstance(run, str) or not run or os.path.basename(run) != run or run in (".", ".."):
+            raise ValueError(
+                "`run` must be a folder name, without separators. "
+                f"Received: run={run!r}"
+            )
         self.log_dir = os.fspath(log_dir)
+        self.run = run
         self._writer = None
 
     def on_train_begin(self, logs=None):
         self._close()
         if not is_chief(self.model.distribute_strategy):
             return
-        self._writer = tf.summary.create_file_writer(self.log_dir)
+        self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, self.run))
         with self._writer.as_default():
             tf.summary.experimental.write_raw_pb(
                 custom_scalar_summary.pb(layout()).SerializeToString(), step=0
