@@ -172,23 +172,72 @@ def fake_results():
     ]
 
 
+VERSIONS = {"python": "3.11", "keras": "3.15.1", "tensorflow": "2.21.0", "keras_safe_dist": "0.1.0"}
+
+
 def test_table_shows_versions_cells_verdicts_and_summary():
-    versions = {"python": "3.11", "keras": "3.15.1", "tensorflow": "2.21.0", "keras_safe_dist": "0.1.0"}
-    text = doctor.table(versions, 2, fake_results())
-    assert text.splitlines()[0] == (
-        "keras-safe-dist doctor: Python 3.11, Keras 3.15.1, TensorFlow 2.21.0, "
-        "keras_safe_dist 0.1.0; 2 replicas (logical CPU devices)"
-    )
+    text = doctor.table(VERSIONS, 2, fake_results())
+    assert text.splitlines()[:2] == [
+        "keras-safe-dist doctor: 2 replicas (logical CPU devices)",
+        "Python 3.11, Keras 3.15.1, TensorFlow 2.21.0, keras_safe_dist 0.1.0",
+    ]
     rows = [line for line in text.splitlines() if line.startswith("| ")]
-    assert rows[1].split("|")[3:6] == [" defect: 1.67               ", " ok: 1                      ", " fixed    "]
-    assert rows[1 + 3].split("|")[5] == " stock ok "  # first line of the second probe
+    assert [cell.strip() for cell in rows[0].split("|")[1:-1]] == [
+        "probe", "stock Keras", "SafeDistributedModel", "verdict",
+    ]
+    assert rows[1].split("|")[1:-1] == [
+        " clip-before-allreduce  ", " defect: 1.67                    ",
+        " ok: 1                      ", " fixed    ",
+    ]
+    assert rows[2].split("|")[4] == " stock ok "
     assert "FAIL: KeyError: 'x'" in text
     assert text.splitlines()[-1] == (
         "SafeDistributedModel passed 2 of 3 probes; stock Keras showed the defect in 1."
     )
     assert doctor.exit_status(fake_results()) == 1
-    bare = doctor.table(versions, 2, fake_results(), with_header=False)
-    assert bare.splitlines() == text.splitlines()[2:]
+    bare = doctor.table(VERSIONS, 2, fake_results(), with_header=False)
+    assert bare.splitlines() == text.splitlines()[3:]
+
+
+def all_probe_results():
+    """Every probe with long figures: a crash on the stock side, a skip reason, a failure."""
+    error = "InvalidArgumentError: Inputs to operation AddN of type AddN must have the same size and shape."
+    skip = "skipped: cannot bind a port on 127.0.0.1 (Address family not supported)"
+    sides = [
+        (Side(False, error), Side(True, 4.9e-8)),
+        (Side(None, skip), Side(None, skip)),
+        (Side(False, 30.0), Side(False, "ValueError: " + "x" * 150)),
+    ]
+    return [
+        doctor.Result(probe, *sides[number % len(sides)], 1.0)
+        for number, probe in enumerate(doctor.PROBES)
+    ]
+
+
+def test_table_lines_fit_100_columns_and_list_each_probes_checks_below():
+    versions = dict(VERSIONS, tensorflow="2.21.0-dev20250101", keras_safe_dist="0.1.0.dev12+g4e51c82")
+    text = doctor.table(versions, 16, all_probe_results())
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    assert max(len(line) for line in lines if line.startswith(("+", "|"))) == 100
+    listed = lines[lines.index("What each probe checks:") + 1:-2]
+    for probe in doctor.PROBES:
+        start = next(i for i, line in enumerate(listed) if line.startswith(f"  {probe.name}: "))
+        end = next(
+            (i for i in range(start + 1, len(listed)) if not listed[i].startswith("    ")), len(listed)
+        )
+        assert " ".join(line.strip() for line in listed[start:end]) == f"{probe.name}: {probe.checks}"
+    # No probe's checks text is left in the table itself.
+    rows = "\n".join(line for line in lines if line.startswith("| "))
+    assert not any(probe.checks[:20] in rows for probe in doctor.PROBES)
+    assert "x" * 80 not in text  # long figures wrap inside their cells
+
+
+def test_json_report_keeps_each_probes_checks_text():
+    results = all_probe_results()
+    data = doctor.to_json(VERSIONS, 2, results)
+    assert [probe["checks"] for probe in data["probes"]] == [probe.checks for probe in doctor.PROBES]
+    assert set(data["probes"][0]) == {"name", "checks", "stock", "safe", "verdict", "seconds"}
 
 
 def test_json_report_replaces_non_finite_figures():

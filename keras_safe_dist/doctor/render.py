@@ -10,7 +10,11 @@ __all__ = [
     "to_json",
 ]
 
-_COLUMNS = (("probe", 22), ("checks", 36), ("stock Keras", 26), ("SafeDistributedModel", 26), ("verdict", 8))
+# The table fits 100 columns: 2 + 22 + 3 + 31 + 3 + 26 + 3 + 8 + 2. Each probe's
+# `checks` text is too long for a cell; it is listed below the table.
+_COLUMNS = (("probe", 22), ("stock Keras", 31), ("SafeDistributedModel", 26), ("verdict", 8))
+
+_LINE_LIMIT = 100
 
 _CELL_LIMIT = 100
 
@@ -25,28 +29,35 @@ def format_figure(figure):
 
 
 def header(versions, replicas):
-    """One line: the versions and the number of replicas."""
-    return (
-        f"keras-safe-dist doctor: Python {versions['python']}, Keras {versions['keras']}, "
-        f"TensorFlow {versions['tensorflow']}, keras_safe_dist {versions['keras_safe_dist']}; "
-        f"{replicas} replicas (logical CPU devices)"
-    )
+    """Two lines of at most 100 characters: the number of replicas, then the versions."""
+    lines = [
+        f"keras-safe-dist doctor: {replicas} replicas (logical CPU devices)",
+        f"Python {versions['python']}, Keras {versions['keras']}, "
+        f"TensorFlow {versions['tensorflow']}, keras_safe_dist {versions['keras_safe_dist']}",
+    ]
+    return "\n".join(_wrap(line) for line in lines)
 
 
 def table(versions, replicas, results, with_header=True):
-    """The report as a fixed-width text table with wrapped cells and a summary line.
+    """The report as text of at most 100 columns: a table, what each probe checks, a summary.
+
+    The table has a row per probe (its stock and SafeDistributedModel cells
+    and the verdict, wrapped); below it each probe's `checks` text is listed
+    as `name: text`, wrapped; the last line is the summary.
 
     Args:
         versions: as returned by `versions()`.
         replicas: the number of replicas the probes ran on.
         results: a list of `Result`.
-        with_header: start with the `header()` line.
+        with_header: start with the `header()` lines and a blank line.
+
+    Returns:
+        The report as one string, lines separated by newlines.
     """
     rows = [[name for name, _ in _COLUMNS]]
     for result in results:
         rows.append([
             result.probe.name,
-            result.probe.checks,
             _cell(result.stock, "defect"),
             _cell(result.safe, "FAIL"),
             result.verdict,
@@ -64,7 +75,14 @@ def table(versions, replicas, results, with_header=True):
             lines.append("| " + " | ".join(parts) + " |")
         if number == 0 or number == len(rows) - 1:
             lines.append(rule)
-    lines.append(_summary(results))
+    if results:
+        lines += ["", "What each probe checks:"]
+        lines += [
+            _wrap(f"{result.probe.name}: {result.probe.checks}", first="  ", indent="    ")
+            for result in results
+        ]
+        lines.append("")
+    lines.append(_wrap(_summary(results)))
     return "\n".join(lines)
 
 
@@ -85,6 +103,12 @@ def to_json(versions, replicas, results):
             for result in results
         ],
     }
+
+
+def _wrap(text, first="", indent=""):
+    """`text` wrapped to `_LINE_LIMIT` columns; `first` and `indent` start its lines."""
+    lines = textwrap.wrap(text, _LINE_LIMIT, initial_indent=first, subsequent_indent=indent)
+    return "\n".join(lines)
 
 
 def _cell(side, bad):
