@@ -8,8 +8,8 @@ strategy before any other TensorFlow op, and trains the same
 identical weights, equal to one device training on one batch per update.
 Only the chief (worker 0) prints the summary and writes the backup.
 
-On a real cluster, set `TF_CONFIG` on each machine yourself (see the README's
-"Scaling out") and run this script once per machine.
+On a real cluster, set `TF_CONFIG` on each machine yourself (see
+docs/scaling_out.md) and run this script once per machine.
 
 Run:
     python examples/multi_worker.py

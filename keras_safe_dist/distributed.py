@@ -14,6 +14,14 @@ def is_chief(strategy=None):
 
     Returns:
         bool.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    if keras_safe_dist.is_chief(strategy):
+        model.save("model.keras")  # one worker writes shared files
+    ```
     """
     task_type, task_id, cluster = _task(strategy)
     if task_type is None:

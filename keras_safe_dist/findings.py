@@ -22,7 +22,25 @@ SEVERITIES = ("error", "warning", "info")
 
 @dataclasses.dataclass(frozen=True)
 class Code:
-    """A registered finding code: its family, severity and one-line title."""
+    """A registered finding code: its family, severity and one-line title.
+
+    The registered codes are the values of `CODES`; `Finding.of` takes the
+    severity from there.
+
+    Args:
+        family: the group of checks, e.g. `"aggregation"` or `"scope"`.
+        severity: `"error"`, `"warning"` or `"info"`.
+        title: what the code means, in one line.
+
+    Example:
+
+    ```python
+    from keras_safe_dist.findings import CODES
+
+    code = CODES["AGG003"]
+    print(code.severity, code.title)  # error on-write variable with sum aggregation
+    ```
+    """
 
     family: str
     severity: str
@@ -92,7 +110,21 @@ class Finding:
         fix: what to do, in one sentence.
 
     Raises:
-        ValueError: for an unknown severity or an empty code or subject.
+        ValueError: when `code` or `subject` is not a non-empty string, or
+            `severity` is not one of `SEVERITIES`.
+
+    Example:
+
+    ```python
+    finding = keras_safe_dist.Finding(
+        code="AGG003",
+        severity="error",
+        subject="dense/step_counter",
+        message="on-write variable with sum aggregation.",
+        fix="Create it with aggregation='mean' or 'only_first_replica'.",
+    )
+    print(finding.to_dict()["code"])  # AGG003
+    ```
     """
 
     code: str
@@ -119,7 +151,28 @@ class Finding:
 
     @classmethod
     def of(cls, code, subject, message, fix):
-        """A finding with the severity registered for `code` in `CODES`."""
+        """A finding with the severity registered for `code` in `CODES`.
+
+        Args:
+            code: a code registered in `CODES`, e.g. `"AGG003"`.
+            subject: what the finding is about.
+            message: what is wrong.
+            fix: what to do, in one sentence.
+
+        Returns:
+            A `Finding` whose severity is `CODES[code].severity`.
+
+        Raises:
+            ValueError: when `code` is not in `CODES` (the message lists the
+                available codes), or `subject` is not a non-empty string.
+
+        Example:
+
+        ```python
+        finding = Finding.of("MODE003", "model/bn", "frozen.", "Unfreeze it.")
+        print(finding.severity)  # warning
+        ```
+        """
         if code not in CODES:
             raise ValueError(
                 f"Unknown finding code {code!r}. Available: {', '.join(CODES)}"
@@ -127,16 +180,34 @@ class Finding:
         return cls(code, CODES[code].severity, subject, message, fix)
 
     def to_dict(self):
+        """The finding as JSON-ready data.
+
+        Returns:
+            A dict with the keys `code`, `severity`, `subject`, `message` and
+            `fix`; `Finding(**data)` makes the finding again.
+        """
         return dataclasses.asdict(self)
 
 
 class AuditReport:
     """The findings of one audit.
 
+    Iterating over a report yields its findings, and `len(report)` is their
+    number. The codes in `ignore` are dropped and kept in `.ignored`.
+
     Args:
         name: the audit's name, e.g. `"aggregation"`.
         findings: the `Finding`s, in the order they were found.
         ignore: codes to drop.
+
+    Example:
+
+    ```python
+    report = keras_safe_dist.audit(model)  # an AuditReport
+    print(report.summary())  # pre-flight audit: 1 error, 0 warnings, 0 info (AGG003)
+    for finding in report.at_least("warning"):
+        print(finding.code, finding.subject, finding.fix)
+    ```
     """
 
     def __init__(self, name, findings=(), ignore=()):
@@ -154,18 +225,36 @@ class AuditReport:
         return f"<AuditReport {self.summary()}>"
 
     def codes(self):
-        """The codes found, each once, in order of first appearance."""
+        """The codes found, each once, in order of first appearance.
+
+        Returns:
+            A tuple of str.
+        """
         return tuple(dict.fromkeys(f.code for f in self.findings))
 
     def counts(self):
-        """The number of findings per severity, every severity present."""
+        """The number of findings per severity, every severity present.
+
+        Returns:
+            A dict `{severity: count}` over `SEVERITIES`, in that order.
+        """
         counts = dict.fromkeys(SEVERITIES, 0)
         for finding in self.findings:
             counts[finding.severity] += 1
         return counts
 
     def at_least(self, severity):
-        """The findings of `severity` or worse."""
+        """The findings of `severity` or worse.
+
+        Args:
+            severity: `"error"`, `"warning"` or `"info"`.
+
+        Returns:
+            A tuple of `Finding`s, in the report's order.
+
+        Raises:
+            ValueError: when `severity` is not one of `SEVERITIES`.
+        """
         if severity not in SEVERITIES:
             raise ValueError(
                 f"`severity` must be one of {SEVERITIES}. "
@@ -177,7 +266,11 @@ class AuditReport:
         )
 
     def summary(self):
-        """One line: the audit, the counts per severity and the codes."""
+        """One line: the audit, the counts per severity and the codes.
+
+        Returns:
+            A str such as `"scope audit: 1 error, 0 warnings, 0 info (SCOPE002)"`.
+        """
         counts = self.counts()
         parts = ", ".join(
             f"{count} {severity}{'' if count == 1 or severity == 'info' else 's'}"
@@ -187,7 +280,12 @@ class AuditReport:
         return f"{self.name} audit: {parts}{codes}"
 
     def to_markdown(self):
-        """A markdown table of the findings, or a line saying there are none."""
+        """A markdown table of the findings, or a line saying there are none.
+
+        Returns:
+            A str: the summary in bold, then a table with one row per finding
+            (code, severity, subject, message, fix).
+        """
         if not self.findings:
             return f"**{self.name} audit**: no findings."
         rows = [
@@ -202,7 +300,12 @@ class AuditReport:
         return "\n".join(rows)
 
     def to_dict(self):
-        """JSON-ready: name, summary, counts, ignored codes and findings."""
+        """JSON-ready: name, summary, counts, ignored codes and findings.
+
+        Returns:
+            A dict with the keys `name`, `summary`, `counts`, `ignored` and
+            `findings` (each a `Finding.to_dict()`).
+        """
         return {
             "name": self.name,
             "summary": self.summary(),
@@ -213,7 +316,19 @@ class AuditReport:
 
     @classmethod
     def from_dict(cls, data):
-        """The inverse of `to_dict`."""
+        """The inverse of `to_dict`.
+
+        Args:
+            data: a dict as `to_dict` returns it; `ignored` is optional.
+
+        Returns:
+            An `AuditReport`.
+
+        Raises:
+            KeyError: when `data` has no `name` or no `findings`.
+            TypeError: when a finding lacks one of the `Finding` fields.
+            ValueError: when a finding has an invalid field (see `Finding`).
+        """
         findings = [Finding(**f) for f in data["findings"]]
         report = cls(data["name"], findings)
         report.ignored = tuple(data.get("ignored", ()))

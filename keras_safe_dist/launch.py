@@ -4,8 +4,8 @@ For local runs and tests: the workers find each other at 127.0.0.1. Note that
 TensorFlow's gRPC worker service binds every network interface (`*:port`,
 IPv4 and IPv6) without authentication, whatever address `TF_CONFIG` names,
 and offers no option to bind one: run it behind a firewall or on a private
-network. On a real cluster, give each machine its own `TF_CONFIG` (see the
-README).
+network. On a real cluster, give each machine its own `TF_CONFIG` (see
+docs/scaling_out.md).
 
 This module imports neither TensorFlow nor Keras.
 """
@@ -20,9 +20,31 @@ import sys
 import threading
 import time
 
+__all__ = ["WorkerGroup", "free_ports", "launch", "shell_status", "tf_config"]
+
 
 def free_ports(count):
-    """`count` distinct TCP ports that are free on 127.0.0.1 right now."""
+    """`count` distinct TCP ports that are free on 127.0.0.1 right now.
+
+    The ports are found by binding `count` sockets at once, then closing
+    them: another process may take one before the caller binds it.
+
+    Args:
+        count: how many ports.
+
+    Returns:
+        A list of `count` distinct port numbers (int).
+
+    Raises:
+        OSError: when a socket cannot be created or bound on 127.0.0.1
+            (e.g. no IPv4 on the machine).
+
+    Example:
+
+    ```python
+    ports = free_ports(2)  # e.g. [41377, 35521]
+    ```
+    """
     sockets = []
     try:
         for _ in range(count):
@@ -36,7 +58,24 @@ def free_ports(count):
 
 
 def tf_config(ports, index):
-    """The `TF_CONFIG` of worker `index` in a cluster of local workers."""
+    """The `TF_CONFIG` of worker `index` in a cluster of local workers.
+
+    Args:
+        ports: one port per worker; worker `i` listens at
+            `127.0.0.1:ports[i]`.
+        index: this worker's index in `ports`.
+
+    Returns:
+        The JSON text for the `TF_CONFIG` environment variable.
+
+    Example:
+
+    ```python
+    os.environ["TF_CONFIG"] = tf_config([12345, 12346], index=1)
+    # {"cluster": {"worker": ["127.0.0.1:12345", "127.0.0.1:12346"]},
+    #  "task": {"type": "worker", "index": 1}}
+    ```
+    """
     return json.dumps(
         {
             "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
@@ -66,9 +105,16 @@ class WorkerGroup:
             of `script`.
 
     Raises:
-        ValueError: for a bad worker count, or not exactly one of `script`
-            and `module`.
+        ValueError: when `workers` is not an integer >= 1, or not exactly one
+            of `script` and `module` is given.
         FileNotFoundError: when `script` is not a file.
+
+    Example:
+
+    ```python
+    group = WorkerGroup("train.py", workers=2, args=["--epochs", "3"]).start()
+    codes = group.wait(timeout=600)  # [0, 0] when both workers succeeded
+    ```
     """
 
     def __init__(self, script, workers=2, args=(), env=None, on_line=None, module=None):
@@ -96,6 +142,14 @@ class WorkerGroup:
         self._readers = []
 
     def start(self):
+        """Starts every worker, each with its own `TF_CONFIG` on a free port.
+
+        Returns:
+            This group, so that `WorkerGroup(...).start()` can be assigned.
+
+        Raises:
+            OSError: when no free port can be found (see `free_ports`).
+        """
         ports = free_ports(self.workers)
         program = [self.script] if self.module is None else ["-m", self.module]
         for index in range(self.workers):
@@ -126,7 +180,11 @@ class WorkerGroup:
         """Waits for every worker; kills the group if one fails or time runs out.
 
         Whatever happens, no process of a worker's group outlives this call
-        (a worker that exited may have left children behind).
+        (a worker that exited may have left children behind). The first
+        worker to fail is kept in `first_failure` as `(index, exit code)`.
+
+        Args:
+            timeout: seconds to wait for all the workers.
 
         Returns:
             The exit codes, one per worker; -N for a worker a signal N ended.
@@ -162,7 +220,11 @@ class WorkerGroup:
         """Kills one worker's process group, or all of them.
 
         A group outlives its worker while the worker's children run, so a
-        worker that already exited has its group killed too.
+        worker that already exited has its group killed too. Returns once
+        the killed workers have exited.
+
+        Args:
+            index: the worker whose group to kill; None kills every group.
         """
         chosen = self.processes if index is None else [self.processes[index]]
         for process in chosen:
@@ -188,13 +250,35 @@ def launch(script, workers=2, args=(), timeout=600, env=None):
     """Runs `script` as `workers` local workers and returns one exit status.
 
     SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher kill every worker's
-    process group before it returns.
+    process group before it returns. Worker output is printed with a
+    `[worker i]` prefix; what went wrong goes to stderr.
+
+    Args:
+        script: path of the Python script every worker runs; see
+            `WorkerGroup`.
+        workers: number of workers, integer >= 1.
+        args: extra command-line arguments for the script.
+        timeout: seconds to wait for all the workers before killing them.
+        env: extra environment variables for every worker.
 
     Returns:
         0 when every worker succeeded; else, as a shell reports it, the exit
         status of the first worker that failed (128 + N for one that signal N
         ended; the others are killed), 124 when the timeout killed them, or
         128 + N when the launcher got signal N.
+
+    Raises:
+        ValueError: when `workers` is not an integer >= 1, or `script` is
+            None.
+        FileNotFoundError: when `script` is not a file.
+
+    Example:
+
+    ```python
+    from keras_safe_dist.launch import launch
+
+    sys.exit(launch("train.py", workers=2, args=["--epochs", "3"], timeout=600))
+    ```
     """
     group = WorkerGroup(script, workers=workers, args=args, env=env)
     with _stop_on_signals():
@@ -224,7 +308,21 @@ def launch(script, workers=2, args=(), timeout=600, env=None):
 
 
 def shell_status(code):
-    """A `Popen.returncode` as a shell reports it: -N (signal N) becomes 128 + N."""
+    """A `Popen.returncode` as a shell reports it: -N (signal N) becomes 128 + N.
+
+    Args:
+        code: a process's return code.
+
+    Returns:
+        The exit status a shell would show, an int.
+
+    Example:
+
+    ```python
+    shell_status(-9)  # 137: killed by SIGKILL
+    shell_status(3)  # 3
+    ```
+    """
     return 128 - code if code < 0 else code
 
 

@@ -22,6 +22,15 @@ def aggregation_findings(model, strategy=None):
     Returns:
         `(findings, variables)`: the `Finding`s (codes `AGG001` to `AGG006`)
         and the `VariableInfo` of every variable inspected.
+
+    Example:
+
+    ```python
+    findings, variables = aggregation_findings(model)
+    for info in variables:
+        print(info.path, info.aggregation, info.container)
+    print([f.code for f in findings])
+    ```
     """
     strategy = strategy or model.distribute_strategy
     distributed = _variables.distributes_variables(strategy)

@@ -52,6 +52,21 @@ def training_strategy(model, strategy=None):
     The explicit `strategy`, else the one whose scope created the model, else
     the current one, else the first non-default strategy owning optimizer or
     metric variables, else TensorFlow's default strategy.
+
+    Args:
+        model: a `keras.Model`.
+        strategy: a `tf.distribute.Strategy` to return as is, or None.
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Example:
+
+    ```python
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    assert training_strategy(model) is strategy
+    ```
     """
     if strategy is not None:
         return strategy
@@ -81,6 +96,16 @@ def scope_findings(model, strategy=None, optimizer=None, metrics=()):
     Returns:
         A list of `Finding`s, one per misplaced object: `SCOPE001` (model),
         `SCOPE002` (optimizer), `SCOPE003` (metric), `SCOPE004` (loss scale).
+
+    Example:
+
+    ```python
+    model = make_model()  # built outside the scope: SCOPE001
+    with strategy.scope():
+        model.compile(optimizer="adam", loss="mse")
+    for finding in scope_findings(model, strategy):
+        print(finding.code, finding.subject, finding.fix)
+    ```
     """
     strategy = training_strategy(model, strategy)
     optimizer = optimizer or getattr(model, "optimizer", None)
@@ -162,8 +187,26 @@ def _misplaced(code, subject, variables, strategy, fix):
 class ScopeError(ValueError):
     """An object was built outside the strategy that trains the model.
 
-    Attributes:
+    Raised by `check_scope`, hence by `SafeDistributedModel.compile()` and
+    `fit()`. The message has one line per finding, with its fix.
+
+    Args:
+        where: the call that found the problem, e.g.
+            `"SafeDistributedModel.fit()"`.
         findings: the `SCOPE*` findings, each naming the object and the fix.
+
+    Attributes:
+        findings: the `SCOPE*` findings, as a tuple.
+
+    Example:
+
+    ```python
+    try:
+        model.fit(x, y)
+    except keras_safe_dist.ScopeError as error:
+        for finding in error.findings:
+            print(finding.code, finding.subject, finding.fix)
+    ```
     """
 
     def __init__(self, where, findings):
@@ -192,10 +235,19 @@ def check_scope(where, model, strategy=None, optimizer=None, metrics=()):
 
     Args:
         where: the call being checked, e.g. `"SafeDistributedModel.fit()"`.
-        model, strategy, optimizer, metrics: as for `scope_findings`.
+        model: a `keras.Model`.
+        strategy: the training strategy; see `training_strategy`.
+        optimizer: the optimizer to check; defaults to `model.optimizer`.
+        metrics: metric objects to check in addition to `model.metrics`.
 
     Raises:
         ScopeError: carrying the `SCOPE*` errors found.
+
+    Example:
+
+    ```python
+    check_scope("my_train_loop()", model, strategy)  # returns None when all is well
+    ```
     """
     strategy = training_strategy(model, strategy)
     findings = current_scope_findings(where, model, strategy)
@@ -221,6 +273,14 @@ def current_scope_findings(where, model, strategy=None):
 
     Returns:
         A list with one `SCOPE006` finding, or an empty list.
+
+    Example:
+
+    ```python
+    with other_strategy.scope():
+        findings = current_scope_findings("fit()", model, strategy)
+    print([f.code for f in findings])  # ['SCOPE006']
+    ```
     """
     strategy = training_strategy(model, strategy)
     current = tf.distribute.get_strategy()
@@ -261,6 +321,18 @@ class CreationWatch:
 
     Args:
         strategy: the strategy variables should be created under.
+
+    Example:
+
+    ```python
+    watch = CreationWatch(strategy)
+    watch.start()
+    try:
+        counter = keras.Variable(0.0)  # outside `strategy.scope()`
+    finally:
+        watch.stop()
+    print([f.subject for f in watch.findings()])  # ["variable 'variable'"]
+    ```
     """
 
     def __init__(self, strategy):
@@ -270,10 +342,12 @@ class CreationWatch:
         self._found = {}
 
     def start(self):
+        """Starts recording the variables this thread creates."""
         self._scope = tf.variable_creator_scope(self._creator)
         self._scope.__enter__()
 
     def stop(self):
+        """Stops recording; what was recorded stays for `findings()`."""
         scope, self._scope = self._scope, None
         if scope is not None:
             scope.__exit__(None, None, None)
@@ -303,6 +377,10 @@ class CreationWatch:
 
         Variables recorded since the last call count when something still
         holds them; once counted, a name stays reported.
+
+        Returns:
+            A list of `SCOPE005` findings, each naming the code that created
+            the variable and, when there were several, how many.
         """
         pending, self._pending = self._pending, []
         for name, site, ref, owner in pending:
@@ -346,7 +424,20 @@ def creation_site():
     """`"file.py:12 in MyCallback.on_train_begin"` for the innermost user frame.
 
     User code is the innermost frame outside Keras, TensorFlow and
-    keras_safe_dist; `"unknown code"` when there is none.
+    keras_safe_dist (and the Python library folder, site-packages included).
+
+    Returns:
+        A str: `"<file name>:<line> in <function>"`, the function prefixed
+        with the class of its `self`; `"unknown code"` when there is no user
+        frame.
+
+    Example:
+
+    ```python
+    class MyCallback(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            print(creation_site())  # train.py:12 in MyCallback.on_train_begin
+    ```
     """
     frame = inspect.currentframe()
     while frame is not None:

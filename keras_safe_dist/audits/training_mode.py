@@ -25,7 +25,25 @@ _NOISE_LAYERS = (
 
 
 def frozen_batch_norm_findings(model):
-    """`MODE003` for each non-trainable BatchNormalization of a trained model."""
+    """`MODE003` for each non-trainable BatchNormalization of a trained model.
+
+    A model with no trainable variables is not being trained: it gets no
+    findings.
+
+    Args:
+        model: a `keras.Model`.
+
+    Returns:
+        A list of `MODE003` findings, one per BatchNormalization layer with
+        `trainable=False`, each naming the layer's path.
+
+    Example:
+
+    ```python
+    model.get_layer("batch_normalization").trainable = False
+    print([f.code for f in frozen_batch_norm_findings(model)])  # ['MODE003']
+    ```
+    """
     if not model.trainable_variables:
         return []
     return [
@@ -46,8 +64,22 @@ def frozen_batch_norm_findings(model):
 class TrainingModeSnapshot:
     """The training-mode state of a model, taken before training steps run.
 
+    Records the moving statistics of each trainable, built
+    BatchNormalization, the seed state of each active Dropout,
+    GaussianDropout, GaussianNoise and AlphaDropout layer, and the mirrored
+    non-trainable variables; `findings()` compares them after training steps.
+
     Args:
         model: a built `keras.Model`.
+
+    Example:
+
+    ```python
+    snapshot = TrainingModeSnapshot(model)
+    model.fit(x, y, epochs=1, steps_per_epoch=2)
+    for finding in snapshot.findings():
+        print(finding.code, finding.subject)
+    ```
     """
 
     def __init__(self, model):
@@ -74,7 +106,14 @@ class TrainingModeSnapshot:
         }
 
     def findings(self):
-        """`MODE001`, `MODE002` and `MODE004` findings after training steps."""
+        """`MODE001`, `MODE002` and `MODE004` findings after training steps.
+
+        Returns:
+            A list of findings: `MODE001` for a watched layer whose state did
+            not change, `MODE004` for a BatchNormalization whose moving
+            statistics differ across replicas, `MODE002` for another mirrored
+            non-trainable variable whose copies differ.
+        """
         findings = []
         for layer, kind, state in self._watched:
             after = {id(v): _variables.local_values(v) for v in state}

@@ -14,14 +14,43 @@ _ON_FINDING = ("warn", "raise", "ignore")
 
 
 class AuditWarning(UserWarning):
-    """Warned by an audit callback with `on_finding="warn"`."""
+    """Warned by an audit callback with `on_finding="warn"`.
+
+    The message is the report's summary line, then one line per new warning
+    or error: `[code] severity subject: message Fix: fix`.
+
+    Example:
+
+    ```python
+    import warnings
+
+    # Turn the audits' warnings into exceptions, e.g. in a test.
+    warnings.simplefilter("error", keras_safe_dist.callbacks.AuditWarning)
+    ```
+    """
 
 
 class AuditError(RuntimeError):
     """Raised by an audit callback with `on_finding="raise"`.
 
+    The message is the report's summary line, then one line per warning or
+    error: `[code] severity subject: message Fix: fix`.
+
+    Args:
+        report: the `AuditReport` holding the findings.
+
     Attributes:
         report: the `AuditReport` holding the findings.
+
+    Example:
+
+    ```python
+    audit = keras_safe_dist.callbacks.AggregationAudit(on_finding="raise")
+    try:
+        model.fit(x, y, callbacks=[audit])
+    except keras_safe_dist.callbacks.AuditError as error:
+        print(error.report.to_markdown())
+    ```
     """
 
     def __init__(self, report):
@@ -47,6 +76,35 @@ class AuditCallback(keras.callbacks.Callback):
         log_dir: where to write the report; None writes nothing.
         on_finding: `"warn"`, `"raise"` or `"ignore"`.
         ignore: finding codes to drop, any iterable of str, e.g. `("MODE003",)`.
+
+    Raises:
+        ValueError: when `on_finding` is not `"warn"`, `"raise"` or
+            `"ignore"`, or `ignore` holds a code not in `CODES` (the message
+            lists the available codes).
+        TypeError: when `ignore` is a single string or not an iterable of
+            str, or `log_dir` is neither None, a str nor an `os.PathLike`.
+        AuditError: from `fit()`, with `on_finding="raise"`, when a report
+            holds a warning or an error not acted on before in that `fit()`.
+
+    Example:
+
+    ```python
+    from keras_safe_dist.audits import frozen_batch_norm_findings
+    from keras_safe_dist.callbacks import AuditCallback
+    from keras_safe_dist.findings import AuditReport
+
+
+    class FrozenBatchNormAudit(AuditCallback):
+        name = "frozen_batch_norm"
+
+        def on_train_begin(self, logs=None):
+            super().on_train_begin(logs)
+            findings = frozen_batch_norm_findings(self.model)
+            self.publish(AuditReport(self.name, findings))
+
+
+    model.fit(x, y, callbacks=[FrozenBatchNormAudit(log_dir="logs")])
+    ```
     """
 
     name = None
@@ -75,6 +133,11 @@ class AuditCallback(keras.callbacks.Callback):
             report: an `AuditReport`; codes in `ignore` are dropped first.
             step: the TensorBoard step to write at.
             extra: more JSON-ready data for `audit_<name>.json`.
+
+        Raises:
+            AuditError: with `on_finding="raise"`, when `report` holds a
+                warning or an error (a code and subject) not acted on before
+                in this `fit()`.
         """
         report = type(report)(report.name, report.findings, ignore=self.ignore)
         self.report = report

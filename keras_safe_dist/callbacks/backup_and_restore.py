@@ -44,9 +44,12 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         backup_dir: directory for the backup, readable by every worker.
         delete_checkpoint: delete the backup when training ends normally
             (the chief's files, then `backup_dir` itself once empty).
+        save_freq: `"epoch"`, the only value accepted; kept for the
+            signature of Keras's `BackupAndRestore`.
 
     Raises:
-        ValueError: for a `save_freq` other than `"epoch"`.
+        ValueError: for a `save_freq` other than `"epoch"`, or an empty
+            `backup_dir` (Keras's own check).
         OSError: when training begins, for a directory the worker cannot
             create or write.
 

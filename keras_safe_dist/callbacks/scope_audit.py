@@ -32,6 +32,23 @@ class ScopeAudit(AuditCallback):
         log_dir: where to write the report; None writes nothing.
         on_finding: `"warn"`, `"raise"` or `"ignore"`; see `AuditCallback`.
         ignore: finding codes to drop.
+
+    Raises:
+        ValueError: when `on_finding` is not `"warn"`, `"raise"` or
+            `"ignore"`, or `ignore` holds a code not in `CODES` (the message
+            lists the available codes).
+        TypeError: when `ignore` is a single string or not an iterable of
+            str, or `log_dir` is neither None, a str nor an `os.PathLike`.
+        AuditError: from `fit()`, with `on_finding="raise"`, when a report
+            holds a warning or an error not acted on before in that `fit()`.
+
+    Example:
+
+    ```python
+    audit = keras_safe_dist.callbacks.ScopeAudit(log_dir="logs", on_finding="raise")
+    model.fit(x, y, callbacks=[audit, *other_callbacks])  # first in the list
+    print(audit.report.summary())
+    ```
     """
 
     name = "scope"

@@ -40,6 +40,24 @@ class TrainingModeAudit(AuditCallback):
         log_dir: where to write the report; None writes nothing.
         on_finding: `"warn"`, `"raise"` or `"ignore"`; see `AuditCallback`.
         ignore: finding codes to drop.
+
+    Raises:
+        ValueError: when `on_finding` is not `"warn"`, `"raise"` or
+            `"ignore"`, `ignore` holds a code not in `CODES` (the message
+            lists the available codes), or `check_after_steps` is not an
+            integer >= 1.
+        TypeError: when `ignore` is a single string or not an iterable of
+            str, or `log_dir` is neither None, a str nor an `os.PathLike`.
+        AuditError: from `fit()`, with `on_finding="raise"`, when a report
+            holds a warning or an error not acted on before in that `fit()`.
+
+    Example:
+
+    ```python
+    audit = keras_safe_dist.callbacks.TrainingModeAudit(check_after_steps=2)
+    model.fit(x, y, callbacks=[audit])
+    print([f.code for f in audit.report])  # [] when training mode was on
+    ```
     """
 
     name = "training_mode"

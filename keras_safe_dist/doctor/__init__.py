@@ -2,8 +2,7 @@
 
 Each probe trains the same tiny model on the same data with stock Keras and
 with SafeDistributedModel on N logical CPU replicas, and reports for each
-side whether it behaved correctly and the measured figure. See the README's
-"Doctor" section.
+side whether it behaved correctly and the measured figure. See docs/doctor.md.
 """
 
 from keras_safe_dist.doctor.probe import Probe
