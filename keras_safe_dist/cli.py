@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -58,7 +59,15 @@ def main(argv=None):
         # TensorFlow's C++ start-up lines (CUDA probes, CPU features), read
         # when TensorFlow loads.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return _COMMANDS[args.command](args)
+    try:
+        code = _COMMANDS[args.command](args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped early (`report ... | head`): stop quietly, with
+        # the status a shell gives a command ended by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    return code
 
 
 def _add_launch(commands):

@@ -1,6 +1,8 @@
 """`keras-safe-dist report LOGDIR` and the Dashboard callback."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -325,3 +327,22 @@ def test_an_unknown_fail_on_in_the_api_names_the_argument(tmp_path):
         report.failing("fatal")
     with pytest.raises(ValueError, match=r"Received: fail_on='fatal'"):
         format_text(report, fail_on="fatal")
+
+
+def test_report_into_a_closed_pipe_stops_quietly_with_sigpipe_status(tmp_path):
+    # `keras-safe-dist report LOGDIR --json | head -c 1`: the reader is gone before the output.
+    _write_scalars(tmp_path, "safe_distributed/grad_norm", [1.5])
+    code = (
+        "import sys\n"
+        f"sys.argv = ['keras-safe-dist', 'report', {str(tmp_path)!r}, '--json']\n"
+        "from keras_safe_dist.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
+    assert done.returncode == 128 + signal.SIGPIPE
