@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist import callbacks
 from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore
 from keras_safe_dist.callbacks import NaNOnsetDetector
 from keras_safe_dist.nan import report as _nan_report
@@ -49,6 +50,20 @@ def test_nan_detector_with_an_unwritable_log_dir_fails_before_training(tmp_path)
         model.fit(x, y, batch_size=8, verbose=0, callbacks=[NaNOnsetDetector(log_dir=log_dir), counter])
     message = str(error.value)
     assert f"NaNOnsetDetector cannot write to `log_dir`={str(log_dir)!r}: Not a directory." in message
+    assert "Pass a directory it can create and write, or log_dir=None." in message
+    assert counter.batches == 0
+
+
+@pytest.mark.parametrize("audit", ["ScopeAudit", "AggregationAudit", "TrainingModeAudit"])
+def test_audit_with_an_unwritable_log_dir_fails_before_training(audit, tmp_path):
+    model, x, y = model_and_data()
+    counter = CountBatches()
+    log_dir = unwritable(tmp_path)
+    callback = getattr(callbacks, audit)(log_dir=log_dir)
+    with pytest.raises(NotADirectoryError) as error:
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[callback, counter])
+    message = str(error.value)
+    assert f"{audit} cannot write to `log_dir`={str(log_dir)!r}: Not a directory." in message
     assert "Pass a directory it can create and write, or log_dir=None." in message
     assert counter.batches == 0
 

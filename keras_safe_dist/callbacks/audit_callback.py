@@ -6,6 +6,7 @@ import keras
 
 from keras_safe_dist import _validate
 from keras_safe_dist import summaries
+from keras_safe_dist.distributed import is_chief
 from keras_safe_dist.findings import CODES
 
 __all__ = ["AuditCallback", "AuditError", "AuditWarning"]
@@ -85,6 +86,8 @@ class AuditCallback(keras.callbacks.Callback):
             str, or `log_dir` is neither None, a str nor an `os.PathLike`.
         AuditError: from `fit()`, with `on_finding="raise"`, when a report
             holds a warning or an error not acted on before in that `fit()`.
+        OSError: when training begins, for a `log_dir` the chief cannot
+            create or write.
 
     Example:
 
@@ -125,6 +128,9 @@ class AuditCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._acted_on = set()
+        if self.log_dir is not None and is_chief(self.model.distribute_strategy):
+            # Before any training, rather than when the first report is written.
+            _validate.writable_directory(type(self).__name__, "log_dir", self.log_dir)
 
     def publish(self, report, step=0, extra=None):
         """Keeps, writes and acts on `report`.

@@ -50,6 +50,8 @@ class TrainingModeAudit(AuditCallback):
             str, or `log_dir` is neither None, a str nor an `os.PathLike`.
         AuditError: from `fit()`, with `on_finding="raise"`, when a report
             holds a warning or an error not acted on before in that `fit()`.
+        OSError: when training begins, for a `log_dir` the chief cannot
+            create or write.
 
     Example:
 
