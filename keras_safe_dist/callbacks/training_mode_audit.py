@@ -42,16 +42,9 @@ class TrainingModeAudit(AuditCallback):
         ignore: finding codes to drop.
 
     Raises:
-        ValueError: when `on_finding` is not `"warn"`, `"raise"` or
-            `"ignore"`, `ignore` holds a code not in `CODES` (the message
-            lists the available codes), or `check_after_steps` is not an
-            integer >= 1.
-        TypeError: when `ignore` is a single string or not an iterable of
-            str, or `log_dir` is neither None, a str nor an `os.PathLike`.
-        AuditError: from `fit()`, with `on_finding="raise"`, when a report
-            holds a warning or an error not acted on before in that `fit()`.
-        OSError: when training begins, for a `log_dir` the chief cannot
-            create or write.
+        ValueError: when `check_after_steps` is not an integer >= 1.
+        ValueError, TypeError, AuditError, OSError: as `AuditCallback`
+            raises them, for `log_dir`, `on_finding` and `ignore`.
 
     Example:
 
