@@ -7,10 +7,12 @@ training silently.
 
 import contextlib
 import os
+import threading
 
 import keras
 import tensorflow as tf
 from keras.src import backend as _keras_backend
+from keras.src.backend.tensorflow import nn as _keras_tf_nn
 from keras.src.backend.tensorflow import trainer as _keras_tf_trainer
 from keras.src.losses import loss as _keras_loss
 from keras.src.models.functional import Functional
@@ -120,6 +122,64 @@ def gradients_already_reduced(optimizer):
 
 def _identity(grads_and_vars):
     return list(grads_and_vars)
+
+
+# Synchronized BatchNormalization sums each replica's batch statistics with
+# `_compute_moments_sync(x, axes, keepdims)` in Keras's TensorFlow backend. A
+# replica whose share of a batch is empty runs one row of zeros instead
+# (`_shares.py`); that row must not enter the sums. While a thread runs such
+# a forward pass, `_padding.rows` holds how many rows at the end of the batch
+# are padding (a scalar tensor, 0 or 1), and the sums leave them out.
+_padding = threading.local()
+_stock_moments_sync = _keras_tf_nn._compute_moments_sync
+
+
+def _moments_sync_without_padding(x, axes, keepdims):
+    pad = getattr(_padding, "rows", None)
+    if pad is None or 0 not in [a % x.shape.rank for a in axes]:
+        return _stock_moments_sync(x, axes, keepdims)
+    replica_ctx = tf.distribute.get_replica_context()
+    if not replica_ctx:
+        return _stock_moments_sync(x, axes, keepdims)
+    rows = tf.shape(x)[0]
+    real = tf.sequence_mask(rows - tf.cast(pad, rows.dtype), rows, dtype=x.dtype)
+    real = tf.reshape(real, [-1] + [1] * (x.shape.rank - 1))
+    # Keras's own computation, with each row weighted 1 (real) or 0 (padding).
+    local_count = tf.reduce_sum(tf.ones_like(x) * real, axis=axes, keepdims=True)
+    local_sum = tf.reduce_sum(x * real, axis=axes, keepdims=True)
+    local_squared_sum = tf.reduce_sum(tf.square(x) * real, axis=axes, keepdims=True)
+    y_sum = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM, local_sum)
+    y_squared_sum = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM, local_squared_sum)
+    count_sum = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM, local_count)
+    mean = tf.math.divide_no_nan(y_sum, count_sum)
+    y_squared_mean = tf.math.divide_no_nan(y_squared_sum, count_sum)
+    variance = tf.maximum(y_squared_mean - tf.square(mean), 0.0)
+    if not keepdims:
+        mean = tf.squeeze(mean, axes)
+        variance = tf.squeeze(variance, axes)
+    return mean, variance
+
+
+@contextlib.contextmanager
+def padding_left_out_of_synchronized_moments(rows):
+    """Synchronized BatchNormalization leaves the batch's last `rows` rows out.
+
+    For the forward pass this thread runs inside the context (one replica's,
+    under `MirroredStrategy`). The first use puts a wrapper in place of
+    Keras's `_compute_moments_sync` for good; outside this context the
+    wrapper calls Keras's own function.
+
+    Args:
+        rows: a scalar tensor, the number of padding rows at the batch's end.
+    """
+    if _keras_tf_nn._compute_moments_sync is _stock_moments_sync:
+        _keras_tf_nn._compute_moments_sync = _moments_sync_without_padding
+    previous = getattr(_padding, "rows", None)
+    _padding.rows = rows
+    try:
+        yield
+    finally:
+        _padding.rows = previous
 
 
 def keras_mask(tensor):

@@ -23,17 +23,36 @@ _COUNT_REDUCTIONS = ("sum_over_batch_size", "mean")
 class MicroBatchLoss(NamedTuple):
     """The additive parts of one replica's loss on one micro-batch.
 
+    All three are scalars of one dtype, `totals_dtype(model)`.
+
     Attributes:
         numerator: sum of the weighted loss values (`loss_weights` applied),
             plus `add_loss`/activity losses weighted by `denominator`.
         denominator: what the group's summed numerator is divided by, or None
             when every loss uses `reduction="sum"`.
         samples: number of samples in the micro-batch on this replica.
+        per_sample: True when `denominator` is the sample count times a
+            constant, so that a loss weighted by its denominator is weighted
+            by its samples, as Keras weights the loss it logs.
     """
 
     numerator: tf.Tensor
     denominator: Optional[tf.Tensor]
     samples: tf.Tensor
+    per_sample: bool = True
+
+
+def totals_dtype(model):
+    """The dtype of the loss totals and statistics: float64 for a float64 model.
+
+    float32 otherwise, also for float16 and bfloat16 models, whose sums over
+    a batch would overflow or round away.
+    """
+    wide = keras.config.floatx() == "float64" or any(
+        keras.backend.standardize_dtype(v.dtype) == "float64"
+        for v in model.trainable_weights
+    )
+    return "float64" if wide else "float32"
 
 
 class _Term(NamedTuple):
@@ -54,7 +73,8 @@ def micro_batch_loss(model, y, y_pred, sample_weight):
     The compiled loss still runs as Keras runs it, so per-output loss metrics
     are updated exactly as in stock `fit()`.
     """
-    samples = ops.cast(ops.shape(keras.tree.flatten(y_pred)[0])[0], "float32")
+    dtype = totals_dtype(model)
+    samples = ops.cast(ops.shape(keras.tree.flatten(y_pred)[0])[0], dtype)
     terms = []
     compiled = _compat.compile_loss(model)
     if compiled is not None:
@@ -70,13 +90,13 @@ def micro_batch_loss(model, y, y_pred, sample_weight):
             "No loss to compute. Provide a `loss` argument in `compile()` or "
             "call `add_loss()` in the model."
         )
-    numerator, denominator = _combine(terms, samples)
+    numerator, denominator, per_sample = _combine(terms, samples)
     if extra is not None:
         if denominator is None:
             numerator = numerator + extra
         else:
             numerator = numerator + extra * denominator
-    return MicroBatchLoss(numerator, denominator, samples)
+    return MicroBatchLoss(numerator, denominator, samples, per_sample)
 
 
 def custom_loss(value, y_pred, accumulate):
@@ -87,8 +107,9 @@ def custom_loss(value, y_pred, accumulate):
     value, with Keras's `1 / replicas` scaling undone, is taken as the mean
     loss of the replica's micro-batch and weighted by its sample count.
     """
-    samples = ops.cast(ops.shape(keras.tree.flatten(y_pred)[0])[0], "float32")
-    value = ops.cast(value, "float32")
+    dtype = "float64" if keras.backend.standardize_dtype(value.dtype) == "float64" else "float32"
+    samples = ops.cast(ops.shape(keras.tree.flatten(y_pred)[0])[0], dtype)
+    value = ops.cast(value, dtype)
     if not accumulate:
         return MicroBatchLoss(value, None, samples)
     return MicroBatchLoss(_compat.unscale_loss(value) * samples, samples, samples)
@@ -98,17 +119,19 @@ def kept(micro, keep):
     """`micro` multiplied by `keep` (1.0, or 0.0 for an empty share), or as is for None."""
     if keep is None:
         return micro
-    return MicroBatchLoss(
-        micro.numerator * keep,
-        None if micro.denominator is None else micro.denominator * keep,
-        micro.samples * keep,
+    keep = ops.cast(keep, micro.numerator.dtype)
+    return micro._replace(
+        numerator=micro.numerator * keep,
+        denominator=None if micro.denominator is None else micro.denominator * keep,
+        samples=micro.samples * keep,
     )
 
 
 def weight_regularization(model):
     """Sum of the weight regularization penalties, or None if there are none."""
+    dtype = totals_dtype(model)
     penalties = [
-        ops.cast(ops.sum(v.regularizer(v)), "float32")
+        ops.cast(ops.sum(v.regularizer(v)), dtype)
         for v in model.trainable_weights
         if getattr(v, "regularizer", None) is not None
     ]
@@ -130,22 +153,24 @@ def additional_losses(model):
     losses = losses[: len(losses) - regularized]
     if not losses:
         return None
-    return ops.sum(ops.stack([ops.cast(ops.sum(x), "float32") for x in losses]))
+    dtype = totals_dtype(model)
+    return ops.sum(ops.stack([ops.cast(ops.sum(x), dtype) for x in losses]))
 
 
 def _combine(terms, samples):
+    """`(numerator, denominator, per_sample)` of the terms' weighted sum."""
     if not terms:
-        return ops.zeros((), "float32"), samples
+        return ops.zeros((), samples.dtype), samples, True
     if len(terms) == 1:
         term = terms[0]
-        return term.numerator * term.weight, term.denominator
+        return term.numerator * term.weight, term.denominator, term.counts_samples
     if all(t.denominator is None for t in terms):
-        return sum(t.numerator * t.weight for t in terms), None
+        return sum(t.numerator * t.weight for t in terms), None, False
     if all(t.counts_samples for t in terms):
         numerator = sum(
             t.numerator * (t.weight / t.elements_per_sample) for t in terms
         )
-        return numerator, samples
+        return numerator, samples, True
     described = ", ".join(
         f"{t.name} (reduction={t.reduction!r}, counts samples: "
         f"{t.counts_samples})"
@@ -220,7 +245,7 @@ class _RecordingLoss:
             # The loss function already averaged over its micro-batch (Keras
             # then ignores sample weights): weight it by the sample count.
             return _Term(
-                ops.cast(values, "float32") * self.samples,
+                ops.cast(values, self.samples.dtype) * self.samples,
                 self.samples,
                 self.weight,
                 fn.name,
@@ -236,7 +261,7 @@ class _RecordingLoss:
                     values, sample_weight, mask, "sum", fn.dtype
                 )
             ),
-            "float32",
+            self.samples.dtype,
         )
         elements = values.shape[1:]
         elements_per_sample = (
@@ -265,21 +290,22 @@ class _RecordingLoss:
 
     def _denominator(self, values, sample_weight, mask):
         reduction = self.loss_fn.reduction
+        dtype = self.samples.dtype
         if reduction == "sum":
             return None
         if reduction in _COUNT_REDUCTIONS:
             if mask is None:
-                return ops.cast(ops.size(values), "float32")
-            return ops.cast(ops.sum(ops.cast(mask, "float32")), "float32")
+                return ops.cast(ops.size(values), dtype)
+            return ops.sum(ops.cast(mask, dtype))
         # mean_with_sample_weight: Keras divides by the sum of the weights it
         # multiplied the values with (mask included).
         weights = _compat.apply_mask(
             sample_weight, mask, dtype=values.dtype, reduction=reduction
         )
         if weights is None:
-            return ops.cast(ops.size(values), "float32")
+            return ops.cast(ops.size(values), dtype)
         _, weights = _compat.squeeze_or_expand_to_same_rank(values, weights)
-        return ops.cast(ops.sum(weights), "float32")
+        return ops.cast(ops.sum(weights), dtype)
 
 
 def _merge_masks(first, second):

@@ -6,10 +6,14 @@ empty share. Stock Keras then fails in kernels that refuse an empty batch
 stay in that replica's moving averages for good. `SafeDistributedModel` runs
 the forward pass of an empty share on one sample of zeros instead, keeps none
 of it (the sample's outputs are sliced away, its loss, denominator and sample
-count are multiplied by 0), and puts back the non-trainable state the pass
-changed (moving statistics, seed generators). An empty share therefore
-contributes exactly nothing: no gradient, no loss, no state.
+count are multiplied by 0, synchronized BatchNormalization leaves it out of
+the batch statistics it sums across replicas), and puts back the
+non-trainable state the pass changed on this replica alone (moving
+statistics of unsynchronized layers, seed generators). An empty share
+therefore contributes exactly nothing: no gradient, no loss, no state.
 """
+
+import contextlib
 
 import keras
 import tensorflow as tf
@@ -28,6 +32,11 @@ class EmptyShareGuard:
     def __init__(self, model):
         self.model = model
         self.active = model.distribute_strategy.num_replicas_in_sync > 1
+        self.synchronized = [
+            layer
+            for layer in _compat.flatten_layers(model)
+            if getattr(layer, "synchronized", False) is True
+        ]
 
     def forward(self, x, call):
         """Returns `(y_pred, keep)`: `call(x)` and 1.0, or 0.0 for an empty share.
@@ -45,8 +54,19 @@ class EmptyShareGuard:
         pad = tf.cast(empty, samples.dtype)
         # Read before the forward pass; TensorFlow orders the reads of a
         # variable before the assignments that follow them in the step.
-        state = [(v, tf.identity(v.value)) for v in _local_state(self.model)]
-        y_pred = call(keras.tree.map_structure(lambda t: _pad(t, pad), x))
+        state = [
+            (v, tf.identity(v.value))
+            for v in _local_state(self.model, self.synchronized)
+        ]
+        padded = keras.tree.map_structure(lambda t: _pad(t, pad), x)
+        if self.synchronized:
+            # The moments are the same on every replica, so are the moving
+            # statistics they update: those are kept on an empty share too.
+            excluded = _compat.padding_left_out_of_synchronized_moments(pad)
+        else:
+            excluded = contextlib.nullcontext()
+        with excluded:
+            y_pred = call(padded)
         y_pred = keras.tree.map_structure(lambda t: _first(t, samples), y_pred)
         for variable, before in state:
             variable.assign(tf.where(empty, before, variable.value))
@@ -93,10 +113,16 @@ def _first(t, samples):
     return kept
 
 
-def _local_state(model):
-    """Non-trainable variables each replica assigns on its own (no aggregation)."""
+def _local_state(model, synchronized):
+    """Non-trainable variables each replica assigns from its own share alone.
+
+    Those with no aggregation, except the moving statistics of `synchronized`
+    layers, which follow statistics summed over every replica.
+    """
+    shared = {id(v) for layer in synchronized for v in layer.non_trainable_variables}
     return [
         v
         for v in model.non_trainable_variables
-        if v.aggregation == "none" or v.synchronization == "on_read"
+        if (v.aggregation == "none" or v.synchronization == "on_read")
+        and id(v) not in shared
     ]

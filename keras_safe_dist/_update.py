@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
+from keras_safe_dist._accumulate import Accumulators
 
 _ON_READ = tf.VariableSynchronization.ON_READ
 _SUM = tf.VariableAggregation.SUM
@@ -28,11 +29,22 @@ class UpdateEngine:
 
     LOG_NAMES = ("grad_norm", "clip_rate", "skipped_updates", "samples_per_update")
 
-    def __init__(self, model):
+    def __init__(self, model, rows=True):
         self.model = model
         self.strategy = model.distribute_strategy
         self.steps = model.gradient_accumulation_steps
         self.loss_scale = _loss_scale_optimizer(model.optimizer)
+        # The loss totals' dtype; the statistics are float64, which no norm
+        # of a float16, float32 or float64 gradient overflows.
+        self.dtype = _loss.totals_dtype(model)
+        # With accumulation, whether each micro-batch objective is divided by
+        # an estimate of the group's denominator, so that float16 or bfloat16
+        # gradients (or loss-scaled ones) keep the magnitude of one big
+        # batch's instead of overflowing (see `objective()`).
+        self.estimates = self.steps > 1 and (
+            self.loss_scale is not None
+            or any(_is_low_precision(v.dtype) for v in model.trainable_weights)
+        )
         # An overridden compute_loss() gives the whole loss, weight
         # regularization included when it calls Keras's.
         self.custom_loss = _compat.compute_loss_is_overridden(model)
@@ -40,25 +52,15 @@ class UpdateEngine:
         # need dividing by the reduced denominator (False without accumulation,
         # where `objective()` divides first, and for reduction="sum").
         self.normalized = True
-        # Set while the train step is traced: indexes of the trainable
-        # variables the loss gives no gradient (None, as Keras passes it).
-        self.no_gradient = set()
         # Between `begin_epoch()` and `end_epoch()`.
         self.epoch_open = False
         with self.strategy.scope():
-            self.accumulators = [
-                tf.Variable(
-                    tf.zeros(v.shape, dtype=v.dtype),
-                    trainable=False,
-                    synchronization=_ON_READ,
-                    aggregation=_SUM,
-                    name="safe_dist_accumulator",
-                )
-                for v in (model.trainable_weights if self.steps > 1 else [])
-            ]
+            # The micro-batch gradients' sums, one per trainable variable;
+            # Embedding tables keep their rows unless XLA compiles the step.
+            self.sums = Accumulators(model, rows) if self.steps > 1 else None
             # numerator, denominator and samples of the pending group
             self.group_totals = tf.Variable(
-                tf.zeros([3]),
+                tf.zeros([3], self.dtype),
                 trainable=False,
                 synchronization=_ON_READ,
                 aggregation=_SUM,
@@ -67,7 +69,7 @@ class UpdateEngine:
             # epoch, micro-batches per epoch (-1: unknown)
             self.counters = self._mirrored([0, 0, -1], tf.int64)
             # see _STATS
-            self.stats = self._mirrored([0.0] * len(_STATS), tf.float32)
+            self.stats = self._mirrored([0.0] * len(_STATS), tf.float64)
         self.flush_function = tf.function(self._flush)
 
     def _mirrored(self, value, dtype):
@@ -79,7 +81,7 @@ class UpdateEngine:
 
     def begin_fit(self):
         self.counters.assign([0, 0, -1])
-        self.stats.assign(tf.zeros([len(_STATS)]))
+        self.stats.assign(tf.zeros([len(_STATS)], tf.float64))
 
     def begin_epoch(self, steps):
         self.epoch_open = True
@@ -138,35 +140,75 @@ class UpdateEngine:
         """Replica context: the scalar to differentiate for this micro-batch.
 
         Without accumulation the update's denominator is known before the
-        backward pass (one scalar all-reduce), so the loss is divided there
-        and the gradients need no division after their all-reduce. Returns
-        the micro-batch loss, divided in that case, the objective, and the
-        factor the gradients are multiplied by before they are accumulated
-        (None for none).
+        backward pass (one all-reduce of two scalars), so the loss is divided
+        there and the gradients need no division after their all-reduce.
+        Returns the micro-batch loss, divided in that case, the objective,
+        the factor the gradients are multiplied by before they are
+        accumulated (None for none), and the `(value, weight)` to log (see
+        `logged_loss()`).
 
-        With accumulation under a loss scale, the objective is the scaled
-        numerator divided by an estimate of the group's denominator (this
-        replica's denominator x replicas x steps), so the float16 gradients
-        have the magnitude they have in stock Keras for one big batch instead
-        of overflowing; the float32 gradients are multiplied back by the
-        estimate, which the division after the all-reduce then replaces with
-        the exact denominator.
+        With accumulation under a loss scale, or for float16 and bfloat16
+        variables, the objective is the numerator divided by an estimate of
+        the group's denominator (this replica's denominator x replicas x
+        steps), so the low-precision gradients have the magnitude they have
+        in stock Keras for one big batch instead of overflowing; the float32
+        accumulated gradients are multiplied back by the estimate, which the
+        division after the all-reduce then replaces with the exact
+        denominator.
         """
+        reduced = None
+        logged = micro
         if self.steps == 1 and micro.denominator is not None:
-            context = tf.distribute.get_replica_context()
-            total = context.all_reduce(tf.distribute.ReduceOp.SUM, micro.denominator)
+            reduced = self._all_reduced_totals(micro)
             micro = micro._replace(
-                numerator=tf.math.divide_no_nan(micro.numerator, total),
+                numerator=tf.math.divide_no_nan(micro.numerator, reduced[1]),
                 denominator=None,
             )
         objective = micro.numerator
         restore = None
+        if self.estimates:
+            restore = self.denominator_estimate(micro)
+            objective = objective / restore
         if self.loss_scale is not None:
-            if self.steps > 1:
-                restore = self.denominator_estimate(micro)
-                objective = objective / restore
             objective = self.loss_scale.scale_loss(objective)
-        return micro, objective, restore
+        return micro, objective, restore, self.logged_loss(logged, reduced)
+
+    def logged_loss(self, micro, reduced=None):
+        """Replica context: `(value, weight)` for Keras's loss tracker.
+
+        Stock Keras on one device logs each batch's loss weighted by the
+        batch's samples. Each replica logs the micro-batch's loss over all
+        replicas' samples, weighted by its own samples, so the tracker's sums
+        across replicas give exactly that. Where the denominator counts the
+        samples (no mask, no `mean_with_sample_weight` weights) the replica's
+        own loss, weighted by its samples, sums to the same, with no
+        all-reduce; otherwise the two totals are all-reduced (or taken from
+        `reduced`, the all-reduced numerator and denominator).
+        """
+        numerator, denominator = micro.numerator, micro.denominator
+        if self.strategy.num_replicas_in_sync > 1 and not (
+            micro.per_sample and denominator is not None
+        ):
+            if reduced is None:
+                reduced = self._all_reduced_totals(micro)
+            numerator, denominator = reduced[0], reduced[1]
+            if micro.denominator is None:
+                denominator = None
+        if denominator is not None:
+            numerator = tf.math.divide_no_nan(numerator, denominator)
+        return numerator, micro.samples
+
+    def _all_reduced_totals(self, micro):
+        """Replica context: the numerator and denominator summed over the replicas."""
+        denominator = micro.denominator
+        if denominator is None:
+            denominator = tf.zeros((), micro.numerator.dtype)
+        context = tf.distribute.get_replica_context()
+        return tf.unstack(
+            context.all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.stack([micro.numerator, denominator])
+            )
+        )
 
     def denominator_estimate(self, micro):
         """The update's denominator as this share would make it: its own x replicas x steps.
@@ -176,7 +218,7 @@ class UpdateEngine:
         is 0 as well), or for a loss with no denominator.
         """
         if micro.denominator is None:
-            return tf.ones(())
+            return tf.ones((), micro.numerator.dtype)
         replicas = self.strategy.num_replicas_in_sync
         estimate = micro.denominator * float(replicas * self.steps)
         return tf.where(estimate > 0, estimate, tf.ones_like(estimate))
@@ -189,19 +231,23 @@ class UpdateEngine:
         accumulation the gradients are scaled by estimate / all-reduced
         denominator, which makes them exact, and the loss divided by it; with
         accumulation under a loss scale the estimate is restored as there.
+        Returns the `(value, weight)` to log, as `objective()` does.
         """
         restore = None
+        reduced = None
+        logged = micro
         if self.steps == 1 and micro.denominator is not None:
-            context = tf.distribute.get_replica_context()
-            total = context.all_reduce(tf.distribute.ReduceOp.SUM, micro.denominator)
+            reduced = self._all_reduced_totals(micro)
+            total = reduced[1]
             factor = tf.math.divide_no_nan(estimate, total)
-            grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
+            grads = [None if g is None else _scale(g, factor) for g in grads]
             micro = micro._replace(
                 numerator=tf.math.divide_no_nan(micro.numerator, total), denominator=None
             )
-        elif self.loss_scale is not None:
+        elif self.estimates:
             restore = estimate
         self.after_micro_batch(grads, micro, restore)
+        return self.logged_loss(logged, reduced)
 
     def after_micro_batch(self, grads, micro, restore=None):
         """Called in replica context once the micro-batch gradient is known.
@@ -215,7 +261,7 @@ class UpdateEngine:
         totals = tf.stack(
             [
                 micro.numerator,
-                micro.denominator if self.normalized else tf.zeros(()),
+                micro.denominator if self.normalized else tf.zeros((), micro.numerator.dtype),
                 micro.samples,
             ]
         )
@@ -225,24 +271,19 @@ class UpdateEngine:
             # all-reduce and the optimizer as they are, as in stock Keras.
             context.merge_call(self._update_now, args=(grads, totals))
             return
-        # Accumulators are dense: a variable with no gradient keeps none.
-        self.no_gradient = {i for i, g in enumerate(grads) if g is None}
-        pairs = [
-            (acc, _restored(tf.convert_to_tensor(g), restore))
-            for acc, g in zip(self.accumulators, grads)
-            if g is not None
-        ]
+        # A variable with no gradient keeps none.
+        pairs = [(acc, _restored(g, restore)) for acc, g in self.sums.pairs(grads)]
 
-        # The first micro-batch of a group overwrites the accumulators, so
-        # they never need zeroing (a zeros constant the size of the model).
+        # The first micro-batch of a group overwrites the sums, so they
+        # never need zeroing (a zeros constant the size of the model).
         def start():
             for acc, g in pairs:
-                acc.assign(g)
+                acc.start(g)
             self.group_totals.assign(totals)
 
         def add():
             for acc, g in pairs:
-                acc.assign_add(g)
+                acc.add(g)
             self.group_totals.assign_add(totals)
 
         tf.cond(tf.equal(self.counters[0], 0), start, add)
@@ -274,17 +315,12 @@ class UpdateEngine:
         self.counters.assign(self.counters * [0, 1, 1])
 
     def _read(self):
-        grads = [
-            None if i in self.no_gradient else acc.read_value()
-            for i, acc in enumerate(self.accumulators)
-        ]
-        return self._reduce(grads, self.group_totals.read_value())
+        return self._reduce(self.sums.read(), self.group_totals.read_value())
 
     def _reduce(self, grads, totals):
         """Replica context: the one all-reduce, then normalization and clipping."""
-        context = tf.distribute.get_replica_context()
         present = [g for g in grads if g is not None]
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, present + [totals])
+        reduced = _all_reduce_sum(present + [totals])
         totals = reduced[-1]
         summed = iter(reduced[:-1])
         grads = [None if g is None else next(summed) for g in grads]
@@ -300,9 +336,9 @@ class UpdateEngine:
         if divisor is not None:
             grads = [_divide(g, divisor) for g in grads]
         grads, loss = self._add_weight_regularization(grads, loss)
-        norm = tf.linalg.global_norm([_summed_rows(g) for g in grads])
+        norm = _global_norm([_summed_rows(g) for g in grads if g is not None])
         # The norm is finite only if every gradient element is (a norm that
-        # overflows float32 also counts as non-finite).
+        # overflows its float32 or float64 also counts as non-finite).
         finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(loss))
         grads, clipped = self._clip(grads, norm)
         return grads, (finite, norm, clipped, samples)
@@ -323,11 +359,15 @@ class UpdateEngine:
         model = self.model
         if model.global_clipnorm is not None:
             limit = tf.constant(model.global_clipnorm, norm.dtype)
-            clipped, _ = tf.clip_by_global_norm(grads, limit, use_norm=norm)
+            # As tf.clip_by_global_norm, with the norm kept in its wider dtype.
+            factor = limit * tf.minimum(1.0 / norm, 1.0 / limit)
+            clipped = [None if g is None else _scale(g, factor) for g in grads]
             return clipped, tf.greater(norm, limit)
         if model.clipnorm is not None:
             limit = tf.constant(model.clipnorm, norm.dtype)
-            norms = [None if g is None else tf.norm(_summed_rows(g)) for g in grads]
+            norms = [
+                None if g is None else _global_norm([_summed_rows(g)]) for g in grads
+            ]
             clipped = [
                 None if g is None else _scale(g, limit / tf.maximum(n, limit))
                 for g, n in zip(grads, norms)
@@ -362,13 +402,13 @@ class UpdateEngine:
                 )
             if self.loss_scale is not None:
                 _grow_loss_scale(self.loss_scale)
-            return tf.constant(1.0)
+            return tf.constant(1.0, tf.float64)
 
         def skip_update():
             if self.loss_scale is not None:
                 self.loss_scale.step_counter.assign(0)
                 self.loss_scale.dynamic_scale.assign(self.loss_scale.dynamic_scale * 0.5)
-            return tf.constant(0.0)
+            return tf.constant(0.0, tf.float64)
 
         if self.model.skip_nonfinite or self.loss_scale is not None:
             applied = tf.cond(finite, apply_update, skip_update)
@@ -379,12 +419,13 @@ class UpdateEngine:
         skipped = 1.0 - applied
         # The first skip of the epoch: its index among the epoch's updates
         # (stored + 1, so that 0 means none) and its samples.
-        first = skipped * tf.cast(tf.equal(new["skipped_in_epoch"], 0.0), tf.float32)
+        first = skipped * tf.cast(tf.equal(new["skipped_in_epoch"], 0.0), tf.float64)
+        samples = tf.cast(samples, tf.float64)
         new.update(
-            grad_norm=norm,
+            grad_norm=tf.cast(norm, tf.float64),
             samples_per_update=samples,
             updates_in_epoch=new["updates_in_epoch"] + applied,
-            clipped_in_epoch=new["clipped_in_epoch"] + applied * tf.cast(clipped, tf.float32),
+            clipped_in_epoch=new["clipped_in_epoch"] + applied * tf.cast(clipped, tf.float64),
             skipped_updates=new["skipped_updates"] + skipped,
             skipped_in_epoch=new["skipped_in_epoch"] + skipped,
             first_skip=new["first_skip"]
@@ -394,7 +435,10 @@ class UpdateEngine:
         self.stats.assign(tf.stack([new[name] for name in _STATS]))
 
     def _apply_gradients(self, optimizer, grads):
-        optimizer.apply(list(grads), self.model.trainable_weights)
+        variables = self.model.trainable_weights
+        # Accumulated float16 and bfloat16 gradients are float32.
+        grads = [_cast(g, v.dtype) for g, v in zip(grads, variables)]
+        optimizer.apply(grads, variables)
 
 
 _STATS = (
@@ -433,8 +477,33 @@ def _loss_scale_optimizer(optimizer):
     return None
 
 
+def _is_low_precision(dtype):
+    return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
+
+
+def _cast(grad, dtype):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+    return tf.cast(grad, dtype)
+
+
+def _global_norm(tensors):
+    """The global norm, in float64 if any tensor is float64, else in float32.
+
+    float16 and bfloat16 gradients are squared in float32, where their norm
+    cannot overflow; an overflow would read as a non-finite update.
+    """
+    if not tensors:
+        return tf.zeros(())
+    dtype = tf.float64 if any(t.dtype == tf.float64 for t in tensors) else tf.float32
+    squares = [tf.reduce_sum(tf.square(tf.cast(t, dtype))) for t in tensors]
+    return tf.sqrt(tf.add_n(squares))
+
+
 def _restored(grad, factor):
-    return grad if factor is None else grad * tf.cast(factor, grad.dtype)
+    return grad if factor is None else _scale(grad, factor)
 
 
 def _unique_slices(grad):
@@ -454,19 +523,27 @@ def _summed_rows(grad):
 
 
 def _scale(grad, factor):
+    """`grad * factor`, computed in at least float32 (a float16 factor may overflow)."""
     if isinstance(grad, tf.IndexedSlices):
-        factor = tf.cast(factor, grad.values.dtype)
-        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+        return tf.IndexedSlices(
+            _scale(grad.values, factor), grad.indices, grad.dense_shape
+        )
+    if _is_low_precision(grad.dtype):
+        return tf.cast(tf.cast(grad, tf.float32) * tf.cast(factor, tf.float32), grad.dtype)
     return grad * tf.cast(factor, grad.dtype)
 
 
 def _divide(grad, divisor):
+    """`grad / divisor` (0 where divisor is 0), in at least float32."""
     if grad is None:
         return None
     if isinstance(grad, tf.IndexedSlices):
-        values = tf.math.divide_no_nan(grad.values, tf.cast(divisor, grad.values.dtype))
-        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-    return tf.math.divide_no_nan(grad, tf.cast(divisor, grad.dtype))
+        return tf.IndexedSlices(
+            _divide(grad.values, divisor), grad.indices, grad.dense_shape
+        )
+    dtype = tf.float32 if _is_low_precision(grad.dtype) else grad.dtype
+    quotient = tf.math.divide_no_nan(tf.cast(grad, dtype), tf.cast(divisor, dtype))
+    return tf.cast(quotient, grad.dtype)
 
 
 def _clip_values(grad, limit):
@@ -483,7 +560,27 @@ def _add(grad, extra):
     extra = tf.convert_to_tensor(extra)
     if grad is None:
         return extra
-    return tf.convert_to_tensor(grad) + extra
+    grad = tf.convert_to_tensor(grad)
+    return grad + tf.cast(extra, grad.dtype)
+
+
+def _all_reduce_sum(values):
+    """Replica context: `values` summed across replicas, one all-reduce per dtype.
+
+    A batched all-reduce packs its tensors together, which needs one dtype.
+    """
+    context = tf.distribute.get_replica_context()
+    dtypes = []
+    for value in values:
+        if value.dtype not in dtypes:
+            dtypes.append(value.dtype)
+    reduced = [None] * len(values)
+    for dtype in dtypes:
+        where = [i for i, value in enumerate(values) if value.dtype == dtype]
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [values[i] for i in where])
+        for i, value in zip(where, summed):
+            reduced[i] = value
+    return reduced
 
 
 def _nothing():

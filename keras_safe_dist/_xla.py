@@ -50,7 +50,7 @@ def replica_step(model, data):
     # Inside XLA the objective is divided by an estimate of the update's
     # denominator (exact for even shares); the all-reduced denominator
     # corrects the gradients outside.
-    divide = engine.steps == 1 or loss_scale is not None
+    divide = engine.steps == 1 or engine.estimates
     changed = []  # set while tracing: which of `stateful` the pass assigned
 
     def replica_pass(trainable_values, state_values, x, y, sample_weight, scale):
@@ -63,7 +63,11 @@ def replica_step(model, data):
                 micro = _loss.kept(
                     _loss.micro_batch_loss(model, y, y_pred, sample_weight), keep
                 )
-            estimate = engine.denominator_estimate(micro) if divide else tf.ones(())
+            estimate = (
+                engine.denominator_estimate(micro)
+                if divide
+                else tf.ones((), micro.numerator.dtype)
+            )
             objective = micro.numerator / estimate
             if scale is not None:
                 objective = objective * tf.cast(scale, objective.dtype)
@@ -87,6 +91,5 @@ def replica_step(model, data):
     for t, mask in zip(keras.tree.flatten(y_pred), masks):
         if mask is not None:
             _compat.set_keras_mask(t, mask)
-    engine.after_estimated_micro_batch(grads, micro, estimate)
-    model._track_loss(micro)
+    model._track_loss(engine.after_estimated_micro_batch(grads, micro, estimate))
     return model._step_logs(x, y, y_pred, sample_weight)

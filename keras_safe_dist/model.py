@@ -7,6 +7,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_safe_dist import _accumulate
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import _shares
@@ -115,7 +116,15 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             # whether the inputs and outputs came to the constructor or from
             # the subclass's own `__init__`.
             _make_functional(type(self))
+        bases = SafeDistributedModel.__bases__
         super().__init__(*args, **kwargs)
+        if SafeDistributedModel.__bases__ != bases:
+            # A parent mixed in after SafeDistributedModel passed inputs and
+            # outputs to keras.Model.__init__ itself (a KerasHub Task does),
+            # and Keras made every class up to keras.Model functional,
+            # SafeDistributedModel included. Undo that for SafeDistributedModel:
+            # this class is functional through that parent.
+            SafeDistributedModel.__bases__ = bases
         self._set_options(options)
         self._safe_dist_built_at = _scope.creation_site()
 
@@ -157,14 +166,23 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         options = {
             name: config.pop(name) for name in _OPTION_DEFAULTS if name in config
         }
-        model = super().from_config(config, custom_objects=custom_objects)
+        if custom_objects is None:
+            # A parent mixed in after this class may take no custom_objects
+            # (KerasHub's Task.from_config); Keras's loader passes none.
+            model = super().from_config(config)
+        else:
+            model = super().from_config(config, custom_objects=custom_objects)
         model._set_options(
             _validate_options(**{**_OPTION_DEFAULTS, **options})
         )
         return model
 
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
+    def compile(self, *args, **kwargs):
         """Same as `keras.Model.compile`, refusing what cannot work distributed.
+
+        The defaults are those of the next `compile()` in the class's order:
+        stock Keras's, or, for a class that mixes `SafeDistributedModel` into
+        another model class (a KerasHub task), that class's (`optimizer="auto"`).
 
         Called outside every strategy scope, it runs under the strategy that
         created the model, so an optimizer or metrics given by name and the
@@ -177,10 +195,10 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         and `jit_compile="auto"` resolves to False.
 
         Args:
-            optimizer: as in `keras.Model.compile`, without its own clipping
-                or accumulation (give those to `SafeDistributedModel`).
-            *args: the other arguments of `keras.Model.compile`.
-            **kwargs: the other arguments of `keras.Model.compile`.
+            *args: the arguments of `keras.Model.compile`; the optimizer
+                without its own clipping or accumulation (give those to
+                `SafeDistributedModel`).
+            **kwargs: the arguments of `keras.Model.compile`.
 
         Raises:
             ScopeError: when the model, the optimizer or a metric object was
@@ -200,9 +218,12 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         own = _compat.model_strategy(self)
         if own is not None and not tf.distribute.has_strategy():
             with own.scope():
-                return self.compile(optimizer, *args, **kwargs)
-        optimizer = keras.optimizers.get(optimizer)
-        _check_optimizer(optimizer)
+                return self.compile(*args, **kwargs)
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            optimizer = None  # a name, or the parent's default: built by compile()
+        else:
+            _check_optimizer(optimizer)
         metrics = [
             m
             for key in ("metrics", "weighted_metrics")
@@ -212,12 +233,22 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         _scope.check_scope(
             "SafeDistributedModel.compile()", self, optimizer=optimizer, metrics=metrics
         )
-        super().compile(optimizer, *args, **kwargs)
+        super().compile(*args, **kwargs)
+        try:
+            _check_optimizer(self.optimizer)
+        except ValueError:
+            self.compiled = False
+            raise
         replicas = self.distribute_strategy.num_replicas_in_sync
         self._xla_replicas = False
-        if replicas > 1 and self.jit_compile:
+        # A parent class may compile in its own __init__ (KerasHub's Task
+        # does), before the options are set.
+        steps = getattr(self, "gradient_accumulation_steps", 1)
+        keeps_rows = steps > 1 and bool(_accumulate.row_variables(self))
+        if self.jit_compile and (replicas > 1 or keeps_rows):
             # Keras would compile the whole step, cross-replica update
-            # included, which XLA cannot hold; each replica's pass is
+            # included, which XLA cannot hold, nor the rows of an Embedding's
+            # gradients kept across micro-batches; each replica's pass is
             # compiled instead, and only when asked for: on CPU it rarely
             # pays.
             if kwargs.get("jit_compile", "auto") is True and not self.run_eagerly:
@@ -330,7 +361,9 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         with self.distribute_strategy.scope():
             if not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
-        self._update_engine = UpdateEngine(self)
+        # XLA cannot resize a variable, so a step it compiles whole sums the
+        # rows of sparse gradients.
+        self._update_engine = UpdateEngine(self, rows=not self.jit_compile)
         self._nan_probe = None
         if self._nan_probe_request is not None:
             self._nan_probe = nan.NaNProbe(
@@ -412,7 +445,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         context = tf.distribute.get_replica_context()
         denominator = micro.denominator
         if denominator is None:
-            denominator = tf.zeros(())
+            denominator = tf.zeros((), micro.numerator.dtype)
         numerator, denominator = tf.unstack(
             context.all_reduce(
                 tf.distribute.ReduceOp.SUM, tf.stack([micro.numerator, denominator])
@@ -440,13 +473,13 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             else:
                 micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
             micro = _loss.kept(micro, keep)
-            contribution, objective, restore = engine.objective(micro)
+            contribution, objective, restore, logged = engine.objective(micro)
         grads = tape.gradient(objective, self.trainable_weights)
         engine.after_micro_batch(grads, contribution, restore)
         if engine.custom_loss:
             self._track_custom_loss(loss, x)
         else:
-            self._track_loss(micro)
+            self._track_loss(logged)
         logs = self._step_logs(x, y, y_pred, sample_weight)
         if probe is not None:
             logs.update(
@@ -492,20 +525,19 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         samples = tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
         tracker.update_state(_compat.unscale_loss(loss), sample_weight=samples)
 
-    def _track_loss(self, micro):
+    def _track_loss(self, logged):
+        """Logs a micro-batch's loss as stock Keras on one device logs a batch's.
+
+        Args:
+            logged: `(value, weight)` from the update engine: the loss over
+                every replica's samples of the micro-batch, and this
+                replica's sample count.
+        """
+        value, weight = logged
         penalty = _loss.weight_regularization(self)
-        penalty = tf.zeros(()) if penalty is None else penalty
-        tracker = _compat.loss_tracker(self)
-        if micro.denominator is not None:
-            value = tf.math.divide_no_nan(micro.numerator, micro.denominator)
-            tracker.update_state(value + penalty, sample_weight=micro.denominator)
-        else:
-            # reduction="sum": log the mean over micro-batches of the sum over
-            # all replicas' samples.
-            replicas = self.distribute_strategy.num_replicas_in_sync
-            tracker.update_state(
-                micro.numerator * replicas + penalty, sample_weight=1.0 / replicas
-            )
+        if penalty is not None:
+            value = value + penalty
+        _compat.loss_tracker(self).update_state(value, sample_weight=weight)
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")

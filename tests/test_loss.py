@@ -93,3 +93,44 @@ def test_add_loss_only_model_trains():
     model.compile(optimizer=keras.optimizers.SGD(0.1))
     history = model.fit(x, epochs=3, batch_size=8, verbose=0).history
     assert history["loss"][-1] < history["loss"][0]
+
+
+def per_token_model(cls):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((5,), dtype="int32")
+    embedded = keras.layers.Embedding(
+        9, 3, mask_zero=True, embeddings_initializer=keras.initializers.RandomNormal(stddev=2.0)
+    )(inputs)
+    return cls(inputs, keras.layers.Dense(1)(embedded))
+
+
+@pytest.mark.parametrize(
+    "loss,weighted",
+    [("mse", False), (keras.losses.MeanSquaredError(reduction="sum"), False),
+     (keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"), True)],
+    ids=["masked", "sum", "mean_with_sample_weight"],
+)
+def test_logged_loss_is_stock_one_device_loss_weighted_by_samples(replicas, loss, weighted):
+    # Frozen weights: every logged value is a pure function of the batch.
+    # The first batch holds short sequences, so a batch's unmasked tokens are
+    # not proportional to its samples; the last batch is short (33 = 16+16+1),
+    # which leaves one replica an empty share.
+    rng = np.random.default_rng(6)
+    x = rng.integers(1, 9, size=(33, 5))
+    x[:16, 2:] = 0
+    y = rng.normal(size=(33, 5, 1)).astype("float32")
+    sample_weight = rng.uniform(0.1, 3.0, size=(33, 5)) if weighted else None
+    stock = per_token_model(keras.Model)
+    stock.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss)
+    with strategy_for(replicas).scope():
+        model = per_token_model(SafeDistributedModel)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss)
+    fit = dict(sample_weight=sample_weight, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    expected = stock.fit(x, y, **fit).history["loss"][0]
+    logged = model.fit(x, y, **fit).history["loss"][0]
+    assert logged == pytest.approx(expected, rel=1e-6)
+    # Token weighting (the number of unmasked tokens per batch) differs.
+    batches = [x[:16], x[16:32], x[32:]]
+    tokens = np.array([np.count_nonzero(b) for b in batches], "float64")
+    samples = np.array([len(b) for b in batches], "float64")
+    assert not np.allclose(tokens / tokens.sum(), samples / samples.sum(), rtol=0.05)

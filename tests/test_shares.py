@@ -111,3 +111,27 @@ def test_sparse_input_that_would_leave_a_share_empty_is_refused_with_the_fix():
     first = tf.sparse.slice(sparse, [0, 0], [64, 4])
     history = model.fit(first, y[:64], batch_size=BATCH, epochs=1, verbose=0).history
     assert np.isfinite(history["loss"]).all()
+
+
+def synchronized_convnet(inputs):
+    hidden = keras.layers.Conv2D(4, 3)(inputs)
+    hidden = keras.layers.BatchNormalization(synchronized=True, name="bn")(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D()(keras.layers.Activation("relu")(hidden))
+    return keras.layers.Dense(1)(hidden)
+
+
+def test_synchronized_batch_normalization_leaves_an_empty_share_out():
+    # On one device synchronized=True is plain BatchNormalization: the
+    # reference. The last batch holds one sample; the empty share's padding
+    # row must not enter the statistics summed across replicas.
+    x, y = data((5, 5, 2))
+    stock, model = pair(synchronized_convnet, (5, 5, 2))
+    fit = dict(batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    expected = stock.fit(x, y, **fit).history["loss"]
+    logged = model.fit(x, y, **fit).history["loss"]
+    assert relative_error(stock.get_weights(), model.get_weights()) < 1e-5
+    np.testing.assert_allclose(logged, expected, rtol=1e-5)
+    # Both replicas hold the same moving statistics.
+    for variable in model.get_layer("bn").non_trainable_variables:
+        copies = mirrored_strategy().experimental_local_results(variable.value)
+        np.testing.assert_allclose(copies[0].numpy(), copies[1].numpy(), rtol=1e-6)

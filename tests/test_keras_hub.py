@@ -1,0 +1,115 @@
+"""A KerasHub backbone built from a config, wrapped and mixed in (optional: keras-hub)."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist import _compat
+
+from conftest import relative_error
+from conftest import strategy_for
+
+keras_hub = pytest.importorskip("keras_hub")
+
+
+@keras.saving.register_keras_serializable(package="keras_safe_dist_tests")
+class SafeBertClassifier(SafeDistributedModel, keras_hub.models.BertTextClassifier):
+    """The mixin pattern: SafeDistributedModel first, then the task."""
+
+
+def backbone():
+    return keras_hub.models.BertBackbone(
+        vocabulary_size=30,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=6,
+        dropout=0.0,  # random layers draw differently on each replica
+    )
+
+
+def token_batch(samples, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, 7, size=samples)
+    mask = np.arange(6)[None, :] < lengths[:, None]
+    x = {
+        "token_ids": np.where(mask, rng.integers(1, 30, size=(samples, 6)), 0).astype("int32"),
+        "segment_ids": np.zeros((samples, 6), "int32"),
+        "padding_mask": mask,
+    }
+    return x, rng.integers(0, 2, size=(samples,))
+
+
+def test_wrapped_backbone_with_adam_and_accumulation_matches_one_device(replicas):
+    x, y = token_batch(21)
+
+    def build():
+        bert = backbone()
+        pooled = bert(bert.input)["pooled_output"]
+        return bert.input, keras.layers.Dense(2, name="head")(pooled)
+
+    def compile_kwargs():
+        return dict(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+
+    keras.utils.set_random_seed(5)
+    reference = keras.Model(*build())
+    reference.compile(**compile_kwargs())
+    with strategy_for(replicas).scope():
+        model = SafeDistributedModel(*build(), gradient_accumulation_steps=2)
+        model.compile(**compile_kwargs())
+        model.set_weights(reference.get_weights())
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+def test_mixed_in_task_keeps_its_compile_defaults():
+    model = SafeBertClassifier(
+        backbone=backbone(), num_classes=2, preprocessor=None, dropout=0.0,
+        gradient_accumulation_steps=2,
+    )
+    model.compile()
+    assert isinstance(model.optimizer, keras.optimizers.Adam)
+    assert float(model.optimizer.learning_rate) == pytest.approx(5e-5)
+    model.compile(optimizer="auto")
+    assert isinstance(model.optimizer, keras.optimizers.Adam)
+    with pytest.raises(ValueError, match="global_clipnorm=1.0"):
+        model.compile(optimizer=keras.optimizers.Adam(global_clipnorm=1.0))
+
+
+def test_mixed_in_task_leaves_subclassed_models_alone():
+    SafeBertClassifier(backbone=backbone(), num_classes=2, preprocessor=None)
+
+    class Subclassed(SafeDistributedModel):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Subclassed()
+    assert model(np.ones((2, 3), "float32")).shape == (2, 1)
+    assert not isinstance(model, _compat.Functional)
+
+
+def test_mixed_in_task_saves_and_loads_with_options(tmp_path):
+    x, y = token_batch(8)
+    model = SafeBertClassifier(
+        backbone=backbone(), num_classes=2, preprocessor=None,
+        gradient_accumulation_steps=2, global_clipnorm=0.5,
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    path = tmp_path / "bert.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded) is SafeBertClassifier
+    assert loaded.gradient_accumulation_steps == 2
+    assert loaded.global_clipnorm == 0.5
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
