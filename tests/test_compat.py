@@ -233,3 +233,33 @@ def test_trainer_builds_its_step_functions_through_make_function():
     assert parameters(tf_trainer.reduce_per_replica) == ["values", "strategy", "reduction"]
     source = inspect.getsource(tf_trainer.TensorFlowTrainer.make_train_function)
     assert "self._make_function(self.train_step)" in source
+
+
+def test_synchronized_moments_function_keeps_its_signature_and_result():
+    # `padding_left_out_of_synchronized_moments` replaces Keras's
+    # `_compute_moments_sync(x, axes, keepdims)`: a Keras release that renames
+    # it or changes its arguments fails here, not silently in training.
+    from keras.src.backend.tensorflow import nn as tf_nn
+
+    stock = _compat._stock_moments_sync
+    assert list(inspect.signature(stock).parameters) == ["x", "axes", "keepdims"]
+    assert tf_nn._compute_moments_sync in (stock, _compat._moments_sync_without_padding)
+    x = tf.constant(np.random.default_rng(0).normal(size=(5, 3)), tf.float32)
+
+    def moments(rows):
+        with _compat.padding_left_out_of_synchronized_moments(rows):
+            return keras.ops.moments(x, axes=[0], synchronized=True)
+
+    strategy = strategy_for(2)
+
+    def replica():
+        return moments(tf.constant(0)), moments(tf.constant(1))
+
+    results = strategy.run(tf.function(replica))
+    kept, dropped = keras.tree.map_structure(
+        lambda t: strategy.experimental_local_results(t)[0].numpy(), results
+    )
+    np.testing.assert_allclose(kept[0], x.numpy().mean(0), rtol=1e-5)
+    np.testing.assert_allclose(kept[1], x.numpy().var(0), rtol=1e-4)
+    np.testing.assert_allclose(dropped[0], x.numpy()[:4].mean(0), rtol=1e-5)
+    np.testing.assert_allclose(dropped[1], x.numpy()[:4].var(0), rtol=1e-4)
