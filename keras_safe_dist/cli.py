@@ -6,12 +6,12 @@ which returns the exit status; bad arguments exit with status 2.
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
 import time
 
+from keras_safe_dist import _json
 from keras_safe_dist import launch as launch_module
 
 __all__ = ["build_parser", "main"]
@@ -179,7 +179,7 @@ def _doctor(args):
     results = doctor.run_probes(probes, strategy, progress=_print_progress)
     print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps(doctor.to_json(versions, args.replicas, results), indent=2))
+        print(_json.dumps(doctor.to_json(versions, args.replicas, results), indent=2))
     else:
         print(doctor.table(versions, args.replicas, results, with_header=False))
     return doctor.exit_status(results)
@@ -234,7 +234,7 @@ def _report(args):
         )
         return 2
     if args.json:
-        print(json.dumps(report.to_dict(args.fail_on), indent=2, sort_keys=True))
+        print(_json.dumps(report.to_dict(args.fail_on), indent=2, sort_keys=True))
     else:
         print(report_module.format_text(report, args.fail_on))
     for problem in report.warnings:

@@ -11,7 +11,6 @@ This module imports neither TensorFlow nor Keras.
 """
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -19,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from keras_safe_dist import _json
 
 __all__ = ["WorkerGroup", "free_ports", "launch", "shell_status", "tf_config"]
 
@@ -76,7 +77,7 @@ def tf_config(ports, index):
     #  "task": {"type": "worker", "index": 1}}
     ```
     """
-    return json.dumps(
+    return _json.dumps(
         {
             "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
             "task": {"type": "worker", "index": index},

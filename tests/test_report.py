@@ -1,6 +1,7 @@
 """`keras-safe-dist report LOGDIR` and the Dashboard callback."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from keras_safe_dist.report import read_log_dir
 
 from conftest import SumCounter
 from conftest import strategy_for
+from conftest import strict_json
 
 X = np.random.default_rng(1).normal(size=(20, 3)).astype("float32")
 Y = X[:, :1] * 3.0
@@ -346,3 +348,23 @@ def test_report_into_a_closed_pipe_stops_quietly_with_sigpipe_status(tmp_path):
         os.close(write)
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
     assert done.returncode == 128 + signal.SIGPIPE
+
+
+def test_report_json_and_nan_onset_json_are_strict_json_after_a_nan(tmp_path, capsys):
+    x = X.copy()
+    x[5, 1] = np.nan  # second batch of 4: its loss and gradient norm are NaN
+    with strategy_for(1).scope():
+        inputs = keras.Input((3,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    detector = callbacks.NaNOnsetDetector(log_dir=str(tmp_path), action="continue")
+    model.fit(x, Y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[detector, callbacks.Dashboard(str(tmp_path))])
+    capsys.readouterr()
+    onset = strict_json((tmp_path / "nan_onset.json").read_text())
+    assert math.isnan(detector.report["history"][-1]["loss"])
+    assert onset["history"][-1]["loss"] == "NaN"
+    code, out, _ = run_cli(capsys, str(tmp_path), "--json")
+    assert code == 1
+    data = strict_json(out)
+    assert data["nan_onsets"][0]["history"][-1]["loss"] == "NaN"
