@@ -6,7 +6,6 @@ training silently.
 """
 
 import contextlib
-import os
 
 import keras
 import tensorflow as tf
@@ -132,17 +131,12 @@ def set_keras_mask(tensor, mask):
     _keras_backend.set_keras_mask(tensor, mask)
 
 
-def redirect_backup(callback, directory):
-    """Points a `keras.callbacks.BackupAndRestore` at another directory."""
-    callback.backup_dir = directory
-    callback._weights_path = os.path.join(directory, "latest.weights.h5")
-    callback._training_metadata_path = os.path.join(
-        directory, "training_metadata.json"
-    )
-    callback._prev_weights_path = f"{callback._weights_path}.bkp"
-    callback._prev_training_metadata_path = (
-        f"{callback._training_metadata_path}.bkp"
-    )
+def set_initial_epoch(model, epoch):
+    """Makes the next `fit()` of `model` start at `epoch` (None: at its `initial_epoch`).
+
+    What Keras's `BackupAndRestore` sets to resume a run.
+    """
+    model._initial_epoch = epoch
 
 
 class TrainerOverrides:
