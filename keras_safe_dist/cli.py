@@ -204,7 +204,8 @@ def _add_report(commands):
             "run. Exit status: 0 when no finding is at or above --fail-on, 1 "
             "otherwise, 2 for a missing log directory, one with nothing to "
             "report, or a report file it cannot read (named on stderr). "
-            "Damaged event files are skipped with a warning."
+            "Damaged event files are skipped with a warning; when they are all "
+            "there is, they are named and the exit status is 2."
         ),
     )
     report.add_argument("log_dir", metavar="LOGDIR", help="the log directory given to the callbacks")
@@ -226,6 +227,17 @@ def _report(args):
         print(f"keras-safe-dist report: {error}", file=sys.stderr)
         return 2
     if not (report.audits or report.nan_onsets or report.runs or report.errors):
+        if report.warnings:
+            # The log directory is right; what it holds cannot be read.
+            damaged = "; ".join(f"{p.path} ({p.problem})" for p in report.warnings)
+            print(
+                f"keras-safe-dist report: nothing readable under {args.log_dir}: "
+                f"no audit_*.json or nan_onset.json, and no update statistics could "
+                f"be read from the damaged event files: {damaged}. Check the disk "
+                "and the run that wrote them.",
+                file=sys.stderr,
+            )
+            return 2
         print(
             f"keras-safe-dist report: nothing to report under {args.log_dir}: no "
             "audit_*.json, nan_onset.json or logged update statistics. Pass the "
