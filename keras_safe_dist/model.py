@@ -27,6 +27,18 @@ _OPTIMIZER_OPTIONS = {
 }
 
 
+def _option(name):
+    """A property for the option `name` that validates an assignment as the constructor does."""
+
+    def get(self):
+        return self.__dict__["_safe_dist_options"][name]
+
+    def set(self, value):
+        self._assign_option(name, value)
+
+    return property(get, set, doc=f"The `{name}` option; see the class docstring.")
+
+
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
 class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     """A `keras.Model` whose updates stay exact under `tf.distribute`.
@@ -65,8 +77,18 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             it on for that `fit()`.
         *args, **kwargs: passed to `keras.Model`.
 
+    Each option can also be assigned after construction
+    (`model.clipnorm = 0.5`): the value is checked as the constructor checks
+    it, a partial accumulation group still pending (from `train_on_batch()`
+    or an interrupted `fit()`) is applied first, with the options it was
+    accumulated under, and the next `fit()` or `train_on_batch()` trains as a
+    model constructed with the new options would. One clipping mode at a
+    time: to switch, set the one in use to None first
+    (`model.clipnorm = None; model.global_clipnorm = 1.0`).
+
     Raises:
-        ValueError: for an invalid option, or two clipping modes at once.
+        ValueError: for an invalid option, or two clipping modes at once;
+            also when one is assigned.
 
     Example:
 
@@ -83,6 +105,13 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     model.fit(x, y, batch_size=32)  # one update per 4 * 32 samples
     ```
     """
+
+    gradient_accumulation_steps = _option("gradient_accumulation_steps")
+    global_clipnorm = _option("global_clipnorm")
+    clipnorm = _option("clipnorm")
+    clipvalue = _option("clipvalue")
+    skip_nonfinite = _option("skip_nonfinite")
+    log_update_stats = _option("log_update_stats")
 
     def __new__(cls, *args, **kwargs):
         if cls is SafeDistributedModel and _functional_arguments(args, kwargs):
@@ -120,12 +149,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._safe_dist_built_at = _scope.creation_site()
 
     def _set_options(self, options):
-        self.gradient_accumulation_steps = options["gradient_accumulation_steps"]
-        self.global_clipnorm = options["global_clipnorm"]
-        self.clipnorm = options["clipnorm"]
-        self.clipvalue = options["clipvalue"]
-        self.skip_nonfinite = options["skip_nonfinite"]
-        self.log_update_stats = options["log_update_stats"]
+        # Past Keras's attribute tracking, which would wrap the dict.
+        self.__dict__["_safe_dist_options"] = dict(options)
         self._update_engine = None
         # Whether the step logs the update statistics: set by fit() from the
         # option and the callbacks; the value the train function was built with.
@@ -138,6 +163,22 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._xla_step = None
         # jit_compile=True on several replicas: each replica's pass under XLA.
         self._xla_replicas = False
+
+    def _assign_option(self, name, value):
+        current = self.__dict__.get("_safe_dist_options", _OPTION_DEFAULTS)
+        options = _validate_options(**{**current, name: value}, assigned=name)
+        if options == current:
+            return
+        engine = self._update_engine
+        if engine is not None:
+            # The micro-batches of a pending group were accumulated under the
+            # old options; they are applied with them, as at an epoch end.
+            engine.flush()
+        self.__dict__["_safe_dist_options"] = options
+        # The step is traced with the options: the next fit() or
+        # train_on_batch() builds it, and a new UpdateEngine, again.
+        self.train_function = None
+        self._update_engine = None
 
     def get_config(self):
         config = super().get_config()
@@ -612,7 +653,13 @@ def _validate_options(
     clipvalue,
     skip_nonfinite,
     log_update_stats,
+    assigned=None,
 ):
+    """The options, checked and normalized.
+
+    `assigned` names the option being assigned after construction, if any:
+    a clipping conflict then says how to switch modes.
+    """
     steps = _validate.integer_at_least(
         "gradient_accumulation_steps", gradient_accumulation_steps
     )
@@ -637,9 +684,16 @@ def _validate_options(
     given = {name: value for name, value in clips.items() if value is not None}
     if len(given) > 1:
         received = ", ".join(f"{name}={value!r}" for name, value in clips.items())
+        switch = ""
+        if assigned in given:
+            others = " and ".join(f"model.{n} = None" for n in given if n != assigned)
+            switch = (
+                f". To switch to `{assigned}`, first set the mode in use to None "
+                f"({others}), then assign {assigned}"
+            )
         raise ValueError(
             "Only one of `global_clipnorm`, `clipnorm` and `clipvalue` can be "
-            f"set. Received: {received}"
+            f"set. Received: {received}{switch}"
         )
     for name, value in (
         ("skip_nonfinite", skip_nonfinite),
