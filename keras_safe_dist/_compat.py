@@ -6,12 +6,14 @@ training silently.
 """
 
 import contextlib
+import functools
 
 import keras
 import tensorflow as tf
 from keras.src import backend as _keras_backend
 from keras.src.backend.tensorflow import trainer as _keras_tf_trainer
 from keras.src.losses import loss as _keras_loss
+from keras.src.models import cloning as _keras_cloning
 from keras.src.models.functional import Functional
 from keras.src.trainers import trainer as _keras_trainer
 from tensorflow.python.distribute import distribute_lib as _tf_distribute_lib
@@ -137,6 +139,27 @@ def set_initial_epoch(model, epoch):
     What Keras's `BackupAndRestore` sets to resume a run.
     """
     model._initial_epoch = epoch
+
+
+def copy_options_on_clone(copy_options):
+    """Makes `keras.models.clone_model` call `copy_options(model, clone)` for a functional model.
+
+    Keras clones a functional model with `model.__class__(inputs, outputs,
+    name=model.name)`, which passes none of a subclass's own constructor
+    arguments; `copy_options` puts them on the clone. Installed once.
+    """
+    original = _keras_cloning._clone_functional_model
+    if getattr(original, "_safe_dist_copy_options", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def clone_functional_model(model, *args, **kwargs):
+        clone = original(model, *args, **kwargs)
+        copy_options(model, clone)
+        return clone
+
+    clone_functional_model._safe_dist_copy_options = copy_options
+    _keras_cloning._clone_functional_model = clone_functional_model
 
 
 class TrainerOverrides:

@@ -576,6 +576,16 @@ keras.saving.get_custom_objects().update(
 )
 
 
+def _copy_options(model, clone):
+    """Gives a clone that `keras.models.clone_model` built the options of `model`."""
+    if isinstance(model, SafeDistributedModel) and isinstance(clone, SafeDistributedModel):
+        clone.__dict__["_safe_dist_options"] = dict(model.__dict__["_safe_dist_options"])
+        clone.train_function = None
+
+
+_compat.copy_options_on_clone(_copy_options)
+
+
 class _EpochBoundary(keras.callbacks.Callback):
     """Resets per-fit and per-epoch counters.
 

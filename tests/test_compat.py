@@ -118,6 +118,23 @@ def test_initial_epoch_set_on_the_model_is_where_fit_starts():
     assert model.fit(np.ones((4, 1)), np.ones((4, 1)), epochs=3, verbose=0).epoch == [0, 1, 2]
 
 
+def test_clone_model_builds_a_functional_clone_from_the_class_and_options_are_copied():
+    from keras.src.models import cloning
+
+    assert "_clone_functional_model(" in inspect.getsource(cloning.clone_model)
+    original = cloning._clone_functional_model._safe_dist_copy_options
+    assert "model.__class__(\n            input_tensors, output_tensors, name=model.name\n        )" in (
+        inspect.getsource(inspect.unwrap(cloning._clone_functional_model))
+    )
+    seen = []
+    _compat.copy_options_on_clone(lambda model, clone: seen.append(clone))  # installed once
+    assert cloning._clone_functional_model._safe_dist_copy_options is original
+    inputs = keras.Input((2,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs), clipvalue=0.5)
+    assert keras.models.clone_model(model).clipvalue == 0.5
+    assert seen == []
+
+
 def test_strategy_accessors_name_the_strategy_of_models_and_variables():
     strategy = strategy_for(2)
     default = _compat.default_strategy()

@@ -260,3 +260,27 @@ def test_assigning_an_option_applies_a_pending_group_with_the_options_it_began_u
     step = max(np.abs(a - b).max() for a, b in zip(model.get_weights(), before))
     assert int(model.optimizer.iterations.numpy()) == 2
     assert step == pytest.approx(0.1 * 1e-3, rel=1e-3)  # float32 weights near 1
+
+
+@pytest.mark.parametrize("build", [functional, TwoLayer], ids=["functional", "subclassed"])
+def test_clone_model_keeps_every_option_and_trains_alike(build):
+    options = {
+        "gradient_accumulation_steps": 2, "global_clipnorm": 0.01,
+        "skip_nonfinite": False, "log_update_stats": True,
+    }
+    x, y, _ = regression_data(16)
+    model = build(**options)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    model(x[:1])
+    clone = keras.models.clone_model(model)
+    assert type(clone) is type(model)
+    assert {name: getattr(clone, name) for name in options} == options
+    assert (clone.clipnorm, clone.clipvalue) == (None, None)
+    clone.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    clone(x[:1])
+    clone.set_weights(model.get_weights())
+    histories = [m.fit(x, y, batch_size=4, shuffle=False, verbose=0).history for m in (model, clone)]
+    assert histories[0]["clip_rate"] == histories[1]["clip_rate"] == [1.0]
+    assert histories[0]["samples_per_update"] == histories[1]["samples_per_update"] == [8.0]
+    for a, b in zip(model.get_weights(), clone.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
