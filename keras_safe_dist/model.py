@@ -227,7 +227,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             ScopeError: when the model, the optimizer or a metric object was
                 built outside the strategy that trains the model, or
                 `compile()` is called inside another strategy's scope.
-            ValueError: when the optimizer carries `clipnorm`,
+            ValueError: when the optimizer is None; when it carries `clipnorm`,
                 `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`;
                 or, on several replicas, for `jit_compile=True` with a layer
                 that synchronizes the replicas in its forward pass.
@@ -238,6 +238,15 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")  # no clipnorm here
         ```
         """
+        if optimizer is None:
+            # Stock Keras accepts it, and fit() fails later with
+            # "'NoneType' object has no attribute 'built'".
+            raise ValueError(
+                "SafeDistributedModel.compile() needs an optimizer: every update "
+                "is applied with it. Received: optimizer=None. Pass an optimizer "
+                "or its name (e.g. optimizer='sgd'), or leave the default "
+                "('rmsprop')."
+            )
         own = _compat.model_strategy(self)
         if own is not None and not tf.distribute.has_strategy():
             with own.scope():
@@ -312,7 +321,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                 or `fit()` is called inside another strategy's scope.
             ValueError: when a `tf.SparseTensor` input would leave a replica
                 an empty share of the last batch, which TensorFlow's input
-                pipeline cannot split.
+                pipeline cannot split; or when `x` holds no samples (arrays
+                of 0 rows, a dataset of cardinality 0).
 
         Example:
 
@@ -321,6 +331,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         ```
         """
         _scope.check_scope("SafeDistributedModel.fit()", self)
+        _check_has_samples("fit", _fit_data(args, kwargs)[0])
         _check_sparse_split(
             self.distribute_strategy.num_replicas_in_sync, *_fit_data(args, kwargs)
         )
@@ -331,6 +342,24 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         else:
             kwargs["callbacks"] = self._with_epoch_callback(kwargs.get("callbacks"))
         return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        """Same as `keras.Model.evaluate`, refusing data that holds no samples.
+
+        Args:
+            *args: the arguments of `keras.Model.evaluate`.
+            **kwargs: the arguments of `keras.Model.evaluate`.
+
+        Returns:
+            What `keras.Model.evaluate` returns.
+
+        Raises:
+            ValueError: when `x` holds no samples (arrays of 0 rows, a
+                dataset of cardinality 0), where stock Keras returns an
+                empty list.
+        """
+        _check_has_samples("evaluate", _fit_data(args, kwargs)[0])
+        return super().evaluate(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         """Same as `keras.Model.train_on_batch`: one micro-batch, stock log keys.
@@ -742,6 +771,32 @@ def _fit_data(args, kwargs):
     names = ("x", "y", "batch_size")
     given = dict(zip(names, args))
     return kwargs.get("x", given.get("x")), kwargs.get("batch_size", given.get("batch_size"))
+
+
+def _check_has_samples(method, x):
+    """Raises when `x` is known, before any step, to hold no samples.
+
+    Stock Keras runs no step and returns an empty History (or list) then.
+    Datasets of unknown length and generators are not read ahead.
+    """
+    if isinstance(x, tf.data.Dataset):
+        if int(x.cardinality()) != 0:
+            return
+        received = "a tf.data.Dataset of cardinality 0 (from .take(0), or a dataset built empty)"
+    else:
+        shapes = [
+            tuple(t.shape) for t in keras.tree.flatten(x)
+            if getattr(t, "shape", None) is not None and len(t.shape) > 0
+        ]
+        if not shapes or shapes[0][0] != 0:
+            return
+        received = f"x of shape {shapes[0]}"
+    raise ValueError(
+        f"SafeDistributedModel.{method}() received data that holds no samples, so "
+        f"there is nothing to {'train on' if method == 'fit' else 'evaluate'} "
+        f"(stock Keras runs no step and returns an empty result). Received: "
+        f"{received}. Pass data with at least one sample."
+    )
 
 
 def _check_sparse_split(replicas, x, batch_size):

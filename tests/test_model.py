@@ -284,3 +284,39 @@ def test_clone_model_keeps_every_option_and_trains_alike(build):
     assert histories[0]["samples_per_update"] == histories[1]["samples_per_update"] == [8.0]
     for a, b in zip(model.get_weights(), clone.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_compile_without_an_optimizer_is_refused_at_compile():
+    model = functional()
+    with pytest.raises(ValueError) as error:
+        model.compile(optimizer=None, loss="mse")
+    assert str(error.value) == (
+        "SafeDistributedModel.compile() needs an optimizer: every update is applied with it. "
+        "Received: optimizer=None. Pass an optimizer or its name (e.g. optimizer='sgd'), "
+        "or leave the default ('rmsprop')."
+    )
+    assert not model.compiled
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("data", ["arrays", "take(0)"])
+def test_fit_and_evaluate_on_data_without_samples_raise(steps, data):
+    model = functional(gradient_accumulation_steps=steps)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((0, 4), "float32"), np.zeros((0, 1), "float32")
+    if data == "arrays":
+        args, received = (x, y), "x of shape (0, 4)"
+    else:
+        x, y, _ = regression_data(8)
+        args = (tf.data.Dataset.from_tensor_slices((x, y)).batch(4).take(0),)
+        received = "a tf.data.Dataset of cardinality 0"
+    for method, purpose in (("fit", "train on"), ("evaluate", "evaluate")):
+        with pytest.raises(ValueError) as error:
+            getattr(model, method)(*args, verbose=0)
+        message = str(error.value)
+        assert message.startswith(
+            f"SafeDistributedModel.{method}() received data that holds no samples, "
+            f"so there is nothing to {purpose}"
+        )
+        assert f"Received: {received}" in message
+    assert int(model.optimizer.iterations.numpy()) == 0
