@@ -97,7 +97,7 @@ def _launch(args):
         return launch_module.launch(
             args.script, workers=args.workers, args=args.script_args, timeout=args.timeout
         )
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:
         print(f"keras-safe-dist launch: {error}", file=sys.stderr)
         return 2
 
