@@ -246,8 +246,14 @@ class WorkerGroup:
         ports = self.ports = free_ports(self.workers)
         program = [self.script] if self.module is None else ["-m", self.module]
         # Its own session: Ctrl-C in a terminal reaches the launcher, not it.
+        # Not the launcher's output either: a reader of it would wait for
+        # the watcher's end.
         self._reaper = subprocess.Popen(
-            [sys.executable, "-I", _REAPER], stdin=subprocess.PIPE, start_new_session=True
+            [sys.executable, "-I", _REAPER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         for index in range(self.workers):
             env = dict(os.environ, **self.env, TF_CONFIG=tf_config(ports, index))
