@@ -188,8 +188,10 @@ def read_log_dir(log_dir):
     """Reads the reports and statistics written under `log_dir`.
 
     A report file that cannot be read (not JSON, truncated, not the shape
-    the callbacks write) lands in `errors`, a damaged event file in
-    `warnings`; neither stops the rest from being read. Every subfolder is
+    the callbacks write, nested too deeply, not a regular file) lands in
+    `errors`, a damaged event file (or one that is not a regular file) in
+    `warnings`; neither stops the rest from being read. Only regular files
+    are opened: a FIFO would wait for a writer. Every subfolder is
     read: each `audit_<name>.json`, each `nan_onset.json` and the event
     files of each run.
 

@@ -296,3 +296,24 @@ def test_a_port_taken_before_the_worker_binds_it_is_named_and_retried_once(tmp_p
     else:
         assert code == 0
         assert f"[worker 0] bound {chosen[1][0]}" in out and f"[worker 1] bound {chosen[1][1]}" in out
+
+
+def test_the_watcher_kills_the_groups_still_listed_when_its_pipe_closes_without_done():
+    from keras_safe_dist import _reaper
+
+    sleepers = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        for _ in range(3)
+    ]
+    try:
+        first, second, third = (str(p.pid) for p in sleepers)
+        assert _reaper.main([f"add {first}", f"add {second}", "done"]) is None
+        assert [p.poll() for p in sleepers] == [None, None, None]
+        killed = _reaper.main([f"add {first}", f"add {second}", f"add {third}", f"forget {second}"])
+        assert killed == [sleepers[0].pid, sleepers[2].pid]
+        assert [p.wait(timeout=10) for p in (sleepers[0], sleepers[2])] == [-signal.SIGKILL] * 2
+        assert sleepers[1].poll() is None
+    finally:
+        for process in sleepers:
+            process.kill()
+            process.wait()
