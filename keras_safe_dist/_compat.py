@@ -6,7 +6,7 @@ training silently.
 """
 
 import contextlib
-import os
+import functools
 import threading
 
 import keras
@@ -15,6 +15,7 @@ from keras.src import backend as _keras_backend
 from keras.src.backend.tensorflow import nn as _keras_tf_nn
 from keras.src.backend.tensorflow import trainer as _keras_tf_trainer
 from keras.src.losses import loss as _keras_loss
+from keras.src.models import cloning as _keras_cloning
 from keras.src.models.functional import Functional
 from keras.src.trainers import trainer as _keras_trainer
 from tensorflow.python.distribute import distribute_lib as _tf_distribute_lib
@@ -192,17 +193,33 @@ def set_keras_mask(tensor, mask):
     _keras_backend.set_keras_mask(tensor, mask)
 
 
-def redirect_backup(callback, directory):
-    """Points a `keras.callbacks.BackupAndRestore` at another directory."""
-    callback.backup_dir = directory
-    callback._weights_path = os.path.join(directory, "latest.weights.h5")
-    callback._training_metadata_path = os.path.join(
-        directory, "training_metadata.json"
-    )
-    callback._prev_weights_path = f"{callback._weights_path}.bkp"
-    callback._prev_training_metadata_path = (
-        f"{callback._training_metadata_path}.bkp"
-    )
+def set_initial_epoch(model, epoch):
+    """Makes the next `fit()` of `model` start at `epoch` (None: at its `initial_epoch`).
+
+    What Keras's `BackupAndRestore` sets to resume a run.
+    """
+    model._initial_epoch = epoch
+
+
+def copy_options_on_clone(copy_options):
+    """Makes `keras.models.clone_model` call `copy_options(model, clone)` for a functional model.
+
+    Keras clones a functional model with `model.__class__(inputs, outputs,
+    name=model.name)`, which passes none of a subclass's own constructor
+    arguments; `copy_options` puts them on the clone. Installed once.
+    """
+    original = _keras_cloning._clone_functional_model
+    if getattr(original, "_safe_dist_copy_options", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def clone_functional_model(model, *args, **kwargs):
+        clone = original(model, *args, **kwargs)
+        copy_options(model, clone)
+        return clone
+
+    clone_functional_model._safe_dist_copy_options = copy_options
+    _keras_cloning._clone_functional_model = clone_functional_model
 
 
 class TrainerOverrides:

@@ -41,8 +41,14 @@ def optional_path(name, value):
     return os.fspath(value)
 
 
-def writable_directory(owner, name, path):
+def writable_directory(owner, name, path, optional=True):
     """Creates the directory `path` if needed and checks that a file can be written in it.
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        path: the directory.
+        optional: whether the argument may be None (the error then offers it).
 
     Raises:
         OSError: of the same kind as the failure, naming `owner`, the
@@ -55,5 +61,6 @@ def writable_directory(owner, name, path):
     except OSError as error:
         raise type(error)(
             f"{owner} cannot write to `{name}`={path!r}: {error.strerror or error}. "
-            f"Pass a directory it can create and write, or {name}=None."
+            "Pass a directory it can create and write"
+            + (f", or {name}=None." if optional else ".")
         ) from error

@@ -6,12 +6,12 @@ which returns the exit status; bad arguments exit with status 2.
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
 import time
 
+from keras_safe_dist import _json
 from keras_safe_dist import launch as launch_module
 
 __all__ = ["build_parser", "main"]
@@ -97,7 +97,7 @@ def _launch(args):
         return launch_module.launch(
             args.script, workers=args.workers, args=args.script_args, timeout=args.timeout
         )
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:
         print(f"keras-safe-dist launch: {error}", file=sys.stderr)
         return 2
 
@@ -179,7 +179,7 @@ def _doctor(args):
     results = doctor.run_probes(probes, strategy, progress=_print_progress)
     print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps(doctor.to_json(versions, args.replicas, results), indent=2))
+        print(_json.dumps(doctor.to_json(versions, args.replicas, results), indent=2))
     else:
         print(doctor.table(versions, args.replicas, results, with_header=False))
     return doctor.exit_status(results)
@@ -204,7 +204,8 @@ def _add_report(commands):
             "run. Exit status: 0 when no finding is at or above --fail-on, 1 "
             "otherwise, 2 for a missing log directory, one with nothing to "
             "report, or a report file it cannot read (named on stderr). "
-            "Damaged event files are skipped with a warning."
+            "Damaged event files are skipped with a warning; when they are all "
+            "there is, they are named and the exit status is 2."
         ),
     )
     report.add_argument("log_dir", metavar="LOGDIR", help="the log directory given to the callbacks")
@@ -226,6 +227,17 @@ def _report(args):
         print(f"keras-safe-dist report: {error}", file=sys.stderr)
         return 2
     if not (report.audits or report.nan_onsets or report.runs or report.errors):
+        if report.warnings:
+            # The log directory is right; what it holds cannot be read.
+            damaged = "; ".join(f"{p.path} ({p.problem})" for p in report.warnings)
+            print(
+                f"keras-safe-dist report: nothing readable under {args.log_dir}: "
+                f"no audit_*.json or nan_onset.json, and no update statistics could "
+                f"be read from the damaged event files: {damaged}. Check the disk "
+                "and the run that wrote them.",
+                file=sys.stderr,
+            )
+            return 2
         print(
             f"keras-safe-dist report: nothing to report under {args.log_dir}: no "
             "audit_*.json, nan_onset.json or logged update statistics. Pass the "
@@ -234,7 +246,7 @@ def _report(args):
         )
         return 2
     if args.json:
-        print(json.dumps(report.to_dict(args.fail_on), indent=2, sort_keys=True))
+        print(_json.dumps(report.to_dict(args.fail_on), indent=2, sort_keys=True))
     else:
         print(report_module.format_text(report, args.fail_on))
     for problem in report.warnings:

@@ -15,6 +15,8 @@ __all__ = [
     "AuditReport",
     "Code",
     "Finding",
+    "markdown_cell",
+    "markdown_row",
 ]
 
 SEVERITIES = ("error", "warning", "info")
@@ -296,7 +298,7 @@ class AuditReport:
         ]
         for f in self.findings:
             cells = (f.code, f.severity, f.subject, f.message, f.fix)
-            rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+            rows.append(markdown_row(cells))
         return "\n".join(rows)
 
     def to_dict(self):
@@ -325,15 +327,73 @@ class AuditReport:
             An `AuditReport`.
 
         Raises:
-            KeyError: when `data` has no `name` or no `findings`.
-            TypeError: when a finding lacks one of the `Finding` fields.
-            ValueError: when a finding has an invalid field (see `Finding`).
+            ValueError: when `data` is not a dict with a `name` and a list of
+                `findings` (the message names what is missing), or a finding
+                has an invalid field (see `Finding`).
+            TypeError: when a finding is not a dict of the `Finding` fields.
         """
+        fields = ", ".join(f.name for f in dataclasses.fields(Finding))
+        shape = (
+            "a dict with `name` (the audit's name) and `findings` (a list of "
+            f"dicts with the keys {fields}), as to_dict() returns"
+        )
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"AuditReport.from_dict() needs {shape}. "
+                f"Received: {type(data).__name__}"
+            )
+        missing = [key for key in ("name", "findings") if key not in data]
+        if missing or not isinstance(data["findings"], list):
+            problem = (
+                f"missing: {', '.join(missing)}" if missing
+                else f"`findings` is a {type(data['findings']).__name__}"
+            )
+            raise ValueError(
+                f"AuditReport.from_dict() needs {shape}; {problem}. "
+                f"Received keys: {sorted(data)}"
+            )
+        for finding in data["findings"]:
+            if not isinstance(finding, dict):
+                raise TypeError(
+                    f"Each of `findings` must be a dict with the keys {fields}. "
+                    f"Received: {finding!r}"
+                )
         findings = [Finding(**f) for f in data["findings"]]
         report = cls(data["name"], findings)
         report.ignored = tuple(data.get("ignored", ()))
         return report
 
 
-def _cell(text):
-    return str(text).replace("|", "\\|").replace("\n", " ")
+def markdown_row(cells):
+    """One markdown table row of `cells`, each escaped with `markdown_cell`.
+
+    Args:
+        cells: the row's values.
+
+    Returns:
+        A str such as `"| a | b |"`.
+    """
+    return "| " + " | ".join(markdown_cell(cell) for cell in cells) + " |"
+
+
+def markdown_cell(text):
+    """`text` as one cell of a markdown table row.
+
+    `|` is escaped as `\\|` and each line break becomes a space, so a cell
+    cannot split into several cells or start a new row. Every table
+    keras_safe_dist prints or writes escapes its cells with this.
+
+    Args:
+        text: the cell's value; converted with `str()`.
+
+    Returns:
+        A str without line breaks or unescaped `|`.
+
+    Example:
+
+    ```python
+    markdown_cell("a | b\\nc")  # 'a \\\\| b c'
+    ```
+    """
+    text = str(text).replace("\r\n", "\n").replace("\r", "\n")
+    return text.replace("|", "\\|").replace("\n", " ")

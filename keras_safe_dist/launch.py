@@ -7,11 +7,15 @@ and offers no option to bind one: run it behind a firewall or on a private
 network. On a real cluster, give each machine its own `TF_CONFIG` (see
 docs/scaling_out.md).
 
+Workers end with the launcher however it ends: on a failure, a timeout or a
+signal it kills their process groups itself; if it is killed outright
+(SIGKILL, the out-of-memory killer), a small watcher process (`_reaper.py`)
+sees the launcher's end of a pipe close and kills them.
+
 This module imports neither TensorFlow nor Keras.
 """
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -20,7 +24,81 @@ import sys
 import threading
 import time
 
-__all__ = ["WorkerGroup", "free_ports", "launch", "shell_status", "tf_config"]
+from keras_safe_dist import _json
+
+__all__ = ["WorkerGroup", "free_ports", "launch", "max_workers", "shell_status", "tf_config"]
+
+_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
+
+# Files the launcher may open besides one per worker (its reader threads,
+# Popen's own pipes, the watcher's pipe).
+_SPARE_FILES = 32
+
+# What a worker prints when its port was taken: TensorFlow's gRPC server, or
+# the errno text of a plain bind.
+_PORT_TAKEN_MARKERS = ("Could not start gRPC server", "Address already in use")
+
+
+def max_workers():
+    """The most local workers this process can start, and what limits them.
+
+    Each worker holds a TCP port on 127.0.0.1 (the kernel hands out those of
+    its ephemeral range) and an open file in the launcher (its output pipe;
+    a socket while the ports are chosen).
+
+    Returns:
+        `(count, reason)`: an int, and a str saying what limits it.
+
+    Example:
+
+    ```python
+    count, reason = max_workers()  # e.g. (19953, "this process may open 20000 files ...")
+    ```
+    """
+    ports = _ephemeral_ports()
+    limits = [(ports, f"the kernel hands out {ports} ports on 127.0.0.1 and each worker needs one")]
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return limits[0]
+    files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if files != resource.RLIM_INFINITY:
+        used = _open_files()
+        limits.append((
+            max(files - used - _SPARE_FILES, 0),
+            f"this process may open {files} files (ulimit -n), {used} are open, and "
+            "each worker needs one (its output pipe) besides a few for the launcher",
+        ))
+    return min(limits)
+
+
+def _ephemeral_ports():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(n) for n in f.read().split())
+        return high - low + 1
+    except (OSError, ValueError):
+        return 65535 - 49152 + 1  # the IANA range
+
+
+def _open_files():
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return 0
+
+
+def _port_in_use(port):
+    """Whether another socket holds `port` on 127.0.0.1 (binding it fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def free_ports(count):
@@ -76,7 +154,7 @@ def tf_config(ports, index):
     #  "task": {"type": "worker", "index": 1}}
     ```
     """
-    return json.dumps(
+    return _json.dumps(
         {
             "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
             "task": {"type": "worker", "index": index},
@@ -104,9 +182,13 @@ class WorkerGroup:
         module: name of a module every worker runs with `python -m`, instead
             of `script`.
 
+    While the group runs, a watcher process kills every worker's group if
+    the launcher dies without stopping them (killed with SIGKILL, say).
+
     Raises:
-        ValueError: when `workers` is not an integer >= 1, or not exactly one
-            of `script` and `module` is given.
+        ValueError: when `workers` is not an integer >= 1 or more than this
+            machine can run (see `max_workers`; checked before any port is
+            bound), or not exactly one of `script` and `module` is given.
         FileNotFoundError: when `script` is not a file.
 
     Example:
@@ -121,6 +203,13 @@ class WorkerGroup:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(
                 f"`workers` must be an integer >= 1. Received: workers={workers!r}"
+            )
+        most, reason = max_workers()
+        if workers > most:
+            raise ValueError(
+                f"`workers` must be at most {most} on this machine: {reason}. "
+                f"Received: workers={workers}. Start fewer workers"
+                + (", or raise the limit (ulimit -n)." if "ulimit" in reason else ".")
             )
         if (script is None) == (module is None):
             raise ValueError(
@@ -138,8 +227,12 @@ class WorkerGroup:
         self.env = dict(env or {})
         self.on_line = on_line or _print_line
         self.processes = []
+        self.ports = []
         self.first_failure = None  # (worker index, exit code) of the first to fail
         self._readers = []
+        self._bind_failed = set()  # workers that printed a bind failure
+        self._reaper = None
+        self._reaper_lock = threading.Lock()
 
     def start(self):
         """Starts every worker, each with its own `TF_CONFIG` on a free port.
@@ -150,8 +243,18 @@ class WorkerGroup:
         Raises:
             OSError: when no free port can be found (see `free_ports`).
         """
-        ports = free_ports(self.workers)
+        ports = self.ports = free_ports(self.workers)
         program = [self.script] if self.module is None else ["-m", self.module]
+        # Its own session: Ctrl-C in a terminal reaches the launcher, not it.
+        # Not the launcher's output either: a reader of it would wait for
+        # the watcher's end.
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-I", _REAPER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         for index in range(self.workers):
             env = dict(os.environ, **self.env, TF_CONFIG=tf_config(ports, index))
             env.setdefault("PYTHONUNBUFFERED", "1")
@@ -162,6 +265,7 @@ class WorkerGroup:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+            self._tell_reaper(f"add {process.pid}")
             reader = threading.Thread(
                 target=self._read, args=(index, process), daemon=True
             )
@@ -174,7 +278,50 @@ class WorkerGroup:
         # Bytes, not text: one byte that is not UTF-8 must not end the reader,
         # or the pipe fills and the worker blocks.
         for line in process.stdout:
-            self.on_line(index, line.decode("utf-8", errors="replace").rstrip("\r\n"))
+            text = line.decode("utf-8", errors="replace").rstrip("\r\n")
+            if any(marker in text for marker in _PORT_TAKEN_MARKERS):
+                self._bind_failed.add(index)
+            self.on_line(index, text)
+
+    def taken_port(self):
+        """`(worker index, port)` of a failed worker whose port another process held, or None.
+
+        A worker failed on its port when it printed a bind failure
+        (TensorFlow's "Could not start gRPC server") or when the port is
+        still held now that the worker is gone.
+        """
+        for index, process in enumerate(self.processes):
+            if process.poll() in (None, 0) or index >= len(self.ports):
+                continue
+            if index in self._bind_failed or _port_in_use(self.ports[index]):
+                return index, self.ports[index]
+        return None
+
+    def _tell_reaper(self, line):
+        with self._reaper_lock:
+            if self._reaper is None:
+                return
+            try:
+                self._reaper.stdin.write(f"{line}\n".encode())
+                self._reaper.stdin.flush()
+            except OSError:
+                pass  # the watcher is gone; the launcher still cleans up itself
+
+    def _stop_reaper(self):
+        with self._reaper_lock:
+            reaper, self._reaper = self._reaper, None
+        if reaper is None:
+            return
+        try:
+            reaper.stdin.write(b"done\n")
+            reaper.stdin.close()
+        except OSError:
+            pass
+        try:
+            reaper.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
+            reaper.wait()
 
     def wait(self, timeout):
         """Waits for every worker; kills the group if one fails or time runs out.
@@ -234,6 +381,9 @@ class WorkerGroup:
                 pass  # the group is gone
         for process in chosen:
             process.wait()
+            self._tell_reaper(f"forget {process.pid}")
+        if index is None:
+            self._stop_reaper()  # nothing left to watch
 
 
 # Signals that end the launcher; its workers are killed first.
@@ -250,7 +400,11 @@ def launch(script, workers=2, args=(), timeout=600, env=None):
     """Runs `script` as `workers` local workers and returns one exit status.
 
     SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher kill every worker's
-    process group before it returns. Worker output is printed with a
+    process group before it returns; if the launcher is killed outright,
+    the workers' groups are killed by a watcher process. When a worker
+    fails because another process took its port between the launcher
+    choosing it and the worker binding it, the message names the port and
+    every worker starts again, once, with fresh ports. Worker output is printed with a
     `[worker i]` prefix; what went wrong goes to stderr.
 
     Args:
@@ -268,8 +422,8 @@ def launch(script, workers=2, args=(), timeout=600, env=None):
         128 + N when the launcher got signal N.
 
     Raises:
-        ValueError: when `workers` is not an integer >= 1, or `script` is
-            None.
+        ValueError: when `workers` is not an integer >= 1 or more than this
+            machine can run (see `max_workers`), or `script` is None.
         FileNotFoundError: when `script` is not a file.
 
     Example:
@@ -280,21 +434,36 @@ def launch(script, workers=2, args=(), timeout=600, env=None):
     sys.exit(launch("train.py", workers=2, args=["--epochs", "3"], timeout=600))
     ```
     """
-    group = WorkerGroup(script, workers=workers, args=args, env=env)
-    with _stop_on_signals():
-        try:
-            group.start()
-            codes = group.wait(timeout)
-        except TimeoutError as error:
-            print(f"keras-safe-dist launch: {error}", file=sys.stderr)
-            return 124
-        except _Stopped as stopped:
-            group.kill()
-            name = signal.Signals(stopped.signum).name
-            print(f"keras-safe-dist launch: got {name}; killed the workers.", file=sys.stderr)
-            return 128 + stopped.signum
-        finally:
-            group.kill()
+    deadline = time.monotonic() + timeout
+    for attempt in (1, 2):
+        group = WorkerGroup(script, workers=workers, args=args, env=env)
+        with _stop_on_signals():
+            try:
+                group.start()
+                codes = group.wait(max(deadline - time.monotonic(), 1))
+            except TimeoutError as error:
+                print(f"keras-safe-dist launch: {error}", file=sys.stderr)
+                return 124
+            except _Stopped as stopped:
+                group.kill()
+                name = signal.Signals(stopped.signum).name
+                print(f"keras-safe-dist launch: got {name}; killed the workers.", file=sys.stderr)
+                return 128 + stopped.signum
+            finally:
+                group.kill()
+        taken = group.taken_port()
+        if taken is None:
+            break
+        index, port = taken
+        what = (
+            f"keras-safe-dist launch: worker {index} could not bind port {port} on "
+            "127.0.0.1: another process took it between the launcher choosing it "
+            "and the worker binding it"
+        )
+        if attempt == 1:
+            print(f"{what}; starting every worker again with fresh ports.", file=sys.stderr)
+        else:
+            print(f"{what}, on the second try too; giving up.", file=sys.stderr)
     if group.first_failure is not None:
         index, code = group.first_failure
         print(

@@ -28,6 +28,18 @@ _OPTIMIZER_OPTIONS = {
 }
 
 
+def _option(name):
+    """A property for the option `name` that validates an assignment as the constructor does."""
+
+    def get(self):
+        return self.__dict__["_safe_dist_options"][name]
+
+    def set(self, value):
+        self._assign_option(name, value)
+
+    return property(get, set, doc=f"The `{name}` option; see the class docstring.")
+
+
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
 class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     """A `keras.Model` whose updates stay exact under `tf.distribute`.
@@ -66,8 +78,18 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             it on for that `fit()`.
         *args, **kwargs: passed to `keras.Model`.
 
+    Each option can also be assigned after construction
+    (`model.clipnorm = 0.5`): the value is checked as the constructor checks
+    it, a partial accumulation group still pending (from `train_on_batch()`
+    or an interrupted `fit()`) is applied first, with the options it was
+    accumulated under, and the next `fit()` or `train_on_batch()` trains as a
+    model constructed with the new options would. One clipping mode at a
+    time: to switch, set the one in use to None first
+    (`model.clipnorm = None; model.global_clipnorm = 1.0`).
+
     Raises:
-        ValueError: for an invalid option, or two clipping modes at once.
+        ValueError: for an invalid option, or two clipping modes at once;
+            also when one is assigned.
 
     Example:
 
@@ -84,6 +106,13 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     model.fit(x, y, batch_size=32)  # one update per 4 * 32 samples
     ```
     """
+
+    gradient_accumulation_steps = _option("gradient_accumulation_steps")
+    global_clipnorm = _option("global_clipnorm")
+    clipnorm = _option("clipnorm")
+    clipvalue = _option("clipvalue")
+    skip_nonfinite = _option("skip_nonfinite")
+    log_update_stats = _option("log_update_stats")
 
     def __new__(cls, *args, **kwargs):
         if cls is SafeDistributedModel and _functional_arguments(args, kwargs):
@@ -129,12 +158,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._safe_dist_built_at = _scope.creation_site()
 
     def _set_options(self, options):
-        self.gradient_accumulation_steps = options["gradient_accumulation_steps"]
-        self.global_clipnorm = options["global_clipnorm"]
-        self.clipnorm = options["clipnorm"]
-        self.clipvalue = options["clipvalue"]
-        self.skip_nonfinite = options["skip_nonfinite"]
-        self.log_update_stats = options["log_update_stats"]
+        # Past Keras's attribute tracking, which would wrap the dict.
+        self.__dict__["_safe_dist_options"] = dict(options)
         self._update_engine = None
         # Whether the step logs the update statistics: set by fit() from the
         # option and the callbacks; the value the train function was built with.
@@ -147,6 +172,22 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self._xla_step = None
         # jit_compile=True on several replicas: each replica's pass under XLA.
         self._xla_replicas = False
+
+    def _assign_option(self, name, value):
+        current = self.__dict__.get("_safe_dist_options", _OPTION_DEFAULTS)
+        options = _validate_options(**{**current, name: value}, assigned=name)
+        if options == current:
+            return
+        engine = self._update_engine
+        if engine is not None:
+            # The micro-batches of a pending group were accumulated under the
+            # old options; they are applied with them, as at an epoch end.
+            engine.flush()
+        self.__dict__["_safe_dist_options"] = options
+        # The step is traced with the options: the next fit() or
+        # train_on_batch() builds it, and a new UpdateEngine, again.
+        self.train_function = None
+        self._update_engine = None
 
     def get_config(self):
         config = super().get_config()
@@ -204,7 +245,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             ScopeError: when the model, the optimizer or a metric object was
                 built outside the strategy that trains the model, or
                 `compile()` is called inside another strategy's scope.
-            ValueError: when the optimizer carries `clipnorm`,
+            ValueError: when the optimizer is None; when it carries `clipnorm`,
                 `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`;
                 or, on several replicas, for `jit_compile=True` with a layer
                 that synchronizes the replicas in its forward pass.
@@ -215,11 +256,19 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")  # no clipnorm here
         ```
         """
+        optimizer = args[0] if args else kwargs.get("optimizer", "default")
+        if optimizer is None:
+            # Stock Keras accepts it, and fit() fails later with
+            # "'NoneType' object has no attribute 'built'".
+            raise ValueError(
+                "SafeDistributedModel.compile() needs an optimizer: every update "
+                "is applied with it. Received: optimizer=None. Pass an optimizer "
+                "or its name (e.g. optimizer='sgd'), or leave the default."
+            )
         own = _compat.model_strategy(self)
         if own is not None and not tf.distribute.has_strategy():
             with own.scope():
                 return self.compile(*args, **kwargs)
-        optimizer = args[0] if args else kwargs.get("optimizer")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             optimizer = None  # a name, or the parent's default: built by compile()
         else:
@@ -302,7 +351,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                 or `fit()` is called inside another strategy's scope.
             ValueError: when a `tf.SparseTensor` input would leave a replica
                 an empty share of the last batch, which TensorFlow's input
-                pipeline cannot split.
+                pipeline cannot split; or when `x` holds no samples (arrays
+                of 0 rows, a dataset of cardinality 0).
 
         Example:
 
@@ -311,6 +361,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         ```
         """
         _scope.check_scope("SafeDistributedModel.fit()", self)
+        _check_has_samples("fit", _fit_data(args, kwargs)[0])
         _check_sparse_split(
             self.distribute_strategy.num_replicas_in_sync, *_fit_data(args, kwargs)
         )
@@ -321,6 +372,24 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         else:
             kwargs["callbacks"] = self._with_epoch_callback(kwargs.get("callbacks"))
         return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        """Same as `keras.Model.evaluate`, refusing data that holds no samples.
+
+        Args:
+            *args: the arguments of `keras.Model.evaluate`.
+            **kwargs: the arguments of `keras.Model.evaluate`.
+
+        Returns:
+            What `keras.Model.evaluate` returns.
+
+        Raises:
+            ValueError: when `x` holds no samples (arrays of 0 rows, a
+                dataset of cardinality 0), where stock Keras returns an
+                empty list.
+        """
+        _check_has_samples("evaluate", _fit_data(args, kwargs)[0])
+        return super().evaluate(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         """Same as `keras.Model.train_on_batch`: one micro-batch, stock log keys.
@@ -567,6 +636,16 @@ keras.saving.get_custom_objects().update(
 )
 
 
+def _copy_options(model, clone):
+    """Gives a clone that `keras.models.clone_model` built the options of `model`."""
+    if isinstance(model, SafeDistributedModel) and isinstance(clone, SafeDistributedModel):
+        clone.__dict__["_safe_dist_options"] = dict(model.__dict__["_safe_dist_options"])
+        clone.train_function = None
+
+
+_compat.copy_options_on_clone(_copy_options)
+
+
 class _EpochBoundary(keras.callbacks.Callback):
     """Resets per-fit and per-epoch counters.
 
@@ -644,7 +723,13 @@ def _validate_options(
     clipvalue,
     skip_nonfinite,
     log_update_stats,
+    assigned=None,
 ):
+    """The options, checked and normalized.
+
+    `assigned` names the option being assigned after construction, if any:
+    a clipping conflict then says how to switch modes.
+    """
     steps = _validate.integer_at_least(
         "gradient_accumulation_steps", gradient_accumulation_steps
     )
@@ -669,9 +754,16 @@ def _validate_options(
     given = {name: value for name, value in clips.items() if value is not None}
     if len(given) > 1:
         received = ", ".join(f"{name}={value!r}" for name, value in clips.items())
+        switch = ""
+        if assigned in given:
+            others = " and ".join(f"model.{n} = None" for n in given if n != assigned)
+            switch = (
+                f". To switch to `{assigned}`, first set the mode in use to None "
+                f"({others}), then assign {assigned}"
+            )
         raise ValueError(
             "Only one of `global_clipnorm`, `clipnorm` and `clipvalue` can be "
-            f"set. Received: {received}"
+            f"set. Received: {received}{switch}"
         )
     for name, value in (
         ("skip_nonfinite", skip_nonfinite),
@@ -710,6 +802,32 @@ def _fit_data(args, kwargs):
     names = ("x", "y", "batch_size")
     given = dict(zip(names, args))
     return kwargs.get("x", given.get("x")), kwargs.get("batch_size", given.get("batch_size"))
+
+
+def _check_has_samples(method, x):
+    """Raises when `x` is known, before any step, to hold no samples.
+
+    Stock Keras runs no step and returns an empty History (or list) then.
+    Datasets of unknown length and generators are not read ahead.
+    """
+    if isinstance(x, tf.data.Dataset):
+        if int(x.cardinality()) != 0:
+            return
+        received = "a tf.data.Dataset of cardinality 0 (from .take(0), or a dataset built empty)"
+    else:
+        shapes = [
+            tuple(t.shape) for t in keras.tree.flatten(x)
+            if getattr(t, "shape", None) is not None and len(t.shape) > 0
+        ]
+        if not shapes or shapes[0][0] != 0:
+            return
+        received = f"x of shape {shapes[0]}"
+    raise ValueError(
+        f"SafeDistributedModel.{method}() received data that holds no samples, so "
+        f"there is nothing to {'train on' if method == 'fit' else 'evaluate'} "
+        f"(stock Keras runs no step and returns an empty result). Received: "
+        f"{received}. Pass data with at least one sample."
+    )
 
 
 def _check_sparse_split(replicas, x, batch_size):

@@ -13,6 +13,7 @@ It imports neither TensorFlow nor Keras: event files are read with the
 import dataclasses
 import json
 import os
+import stat
 
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub import errors as record_errors
@@ -22,6 +23,7 @@ from tensorboard.util import tensor_util
 from keras_safe_dist.findings import SEVERITIES
 from keras_safe_dist.findings import AuditReport
 from keras_safe_dist.findings import Finding
+from keras_safe_dist.findings import markdown_row
 from keras_safe_dist.statistics import PREFIX
 from keras_safe_dist.statistics import RUN as DASHBOARD_RUN
 from keras_safe_dist.statistics import STATISTICS
@@ -186,8 +188,10 @@ def read_log_dir(log_dir):
     """Reads the reports and statistics written under `log_dir`.
 
     A report file that cannot be read (not JSON, truncated, not the shape
-    the callbacks write) lands in `errors`, a damaged event file in
-    `warnings`; neither stops the rest from being read. Every subfolder is
+    the callbacks write, nested too deeply, not a regular file) lands in
+    `errors`, a damaged event file (or one that is not a regular file) in
+    `warnings`; neither stops the rest from being read. Only regular files
+    are opened: a FIFO would wait for a writer. Every subfolder is
     read: each `audit_<name>.json`, each `nan_onset.json` and the event
     files of each run.
 
@@ -231,7 +235,15 @@ def read_log_dir(log_dir):
                 onset = _read_json(path, _checked_onset, report.errors)
                 if onset is not None:
                     report.nan_onsets.append((run, onset))
-        events = [os.path.join(folder, n) for n in sorted(files) if ".tfevents." in n]
+        events = []
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            if ".tfevents." not in name:
+                continue
+            if os.path.isfile(path):
+                events.append(path)
+            else:
+                report.warnings.append(UnreadableFile(path, _NOT_REGULAR))
         values = _run_statistics(events, report.warnings)
         if values:
             report.runs.append(RunStatistics(run, values))
@@ -260,13 +272,30 @@ def _each_statistic_once(runs):
     return kept
 
 
+_NOT_REGULAR = "not a regular file (a FIFO, socket, device or folder), so not opened"
+
+
 def _read_json(path, parse, errors):
-    """`parse(json)` of the file at `path`, or None with the problem added to `errors`."""
+    """`parse(json)` of the file at `path`, or None with the problem added to `errors`.
+
+    Only a regular file is read: opening a FIFO would wait for a writer.
+    """
     try:
-        with open(path, encoding="utf-8") as f:
-            return parse(json.load(f))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        text = _read_regular_file(path)
+    except _NotRegular:
+        errors.append(UnreadableFile(path, _NOT_REGULAR))
+        return None
+    except (OSError, UnicodeDecodeError) as error:
         errors.append(UnreadableFile(path, f"not readable as JSON ({error})"))
+        return None
+    try:
+        return parse(json.loads(text))
+    except json.JSONDecodeError as error:
+        errors.append(UnreadableFile(path, f"not readable as JSON ({error})"))
+    except RecursionError:
+        errors.append(
+            UnreadableFile(path, "JSON nested too deeply to be a report keras_safe_dist writes")
+        )
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         errors.append(
             UnreadableFile(path, f"JSON not of the shape keras_safe_dist writes ({error!r})")
@@ -274,9 +303,34 @@ def _read_json(path, parse, errors):
     return None
 
 
+class _NotRegular(Exception):
+    pass
+
+
+def _read_regular_file(path):
+    """The text of the regular file at `path`; raises `_NotRegular` for anything else."""
+    # Non-blocking, so that opening a FIFO returns at once; then checked.
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(descriptor, "rb") as f:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise _NotRegular(path)
+        return f.read().decode("utf-8")
+
+
 def _checked_onset(data):
+    """`data` if it has the shape of the reports `NaNOnsetDetector` writes."""
     if not isinstance(data, dict):
         raise TypeError(f"expected an object, received {type(data).__name__}")
+    wrong = [
+        key
+        for key, kind in (("epoch", int), ("batch", int), ("kind", str))
+        if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool)
+    ]
+    if wrong:
+        raise ValueError(
+            "a NaN onset report holds `epoch` and `batch` (integers) and `kind` "
+            f"(a string); missing or wrong: {', '.join(wrong)}"
+        )
     _nan_findings(data)  # raises for a malformed stored finding
     return data
 
@@ -394,8 +448,7 @@ def format_text(report, fail_on="error"):
         ]
         for audit, f in findings:
             lines.append(
-                f"| {audit} | {f.code} | {f.severity} | {f.subject} | "
-                f"{f.message} | {f.fix} |"
+                markdown_row((audit, f.code, f.severity, f.subject, f.message, f.fix))
             )
     else:
         lines.append(f"none ({len(report.audits)} audit reports read)")
@@ -414,10 +467,8 @@ def format_text(report, fail_on="error"):
         ]
         for run in report.runs:
             for name, s in run.summary().items():
-                lines.append(
-                    f"| {run.run} | {name} | {_number(s['last'])} | {_number(s['max'])} "
-                    f"| {_number(s['mean'])} |"
-                )
+                numbers = (_number(s[key]) for key in ("last", "max", "mean"))
+                lines.append(markdown_row((run.run, name, *numbers)))
     else:
         lines.append("none logged")
     for title, problems in (("Unreadable reports", report.errors), ("Skipped", report.warnings)):

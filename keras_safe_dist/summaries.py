@@ -8,11 +8,11 @@ return without touching the file system. Callbacks run outside the strategy's
 scope, so they pass the model's `distribute_strategy` to tell who the chief is.
 """
 
-import json
 import os
 
 import tensorflow as tf
 
+from keras_safe_dist import _json
 from keras_safe_dist.distributed import is_chief
 
 __all__ = ["write_json", "write_report", "write_scalars", "write_text"]
@@ -31,7 +31,10 @@ def write_scalars(log_dir, scalars, step=0, strategy=None):
 
 
 def write_json(log_dir, filename, data, strategy=None):
-    """Writes `data` as indented JSON to `log_dir/filename`; chief only.
+    """Writes `data` as indented strict JSON to `log_dir/filename`; chief only.
+
+    Non-finite numbers are written as strings (see `keras_safe_dist._json`),
+    and the file is replaced whole.
 
     Returns:
         The path written, or None on a worker that is not the chief.
@@ -70,13 +73,7 @@ def _write_summaries(log_dir, step, texts=None, scalars=None):
 
 def _write_json(log_dir, filename, data):
     os.makedirs(log_dir, exist_ok=True)
-    path = os.path.join(log_dir, filename)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
+    return _json.write(os.path.join(log_dir, filename), data)
 
 
 # One writer per log directory for the life of the process. A writer per

@@ -1,6 +1,7 @@
 """Shared TensorFlow start-up: two logical CPU devices and one MirroredStrategy."""
 
 import gc
+import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -95,3 +96,12 @@ class SumCounter(keras.layers.Layer):
     def call(self, x):
         self.count.assign_add(1.0)
         return x
+
+
+def strict_json(text):
+    """`json.loads` that refuses `NaN`, `Infinity` and `-Infinity`, as RFC 8259 does."""
+
+    def refuse(token):
+        raise ValueError(f"not RFC 8259 JSON: bare {token}")
+
+    return json.loads(text, parse_constant=refuse)

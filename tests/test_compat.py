@@ -105,16 +105,34 @@ def test_trainer_hooks_exist_and_fit_calls_them():
     assert type(keras.Model(inputs=inputs, outputs=inputs)) is _compat.Functional
 
 
-def test_backup_and_restore_paths_can_be_redirected(tmp_path):
-    callback = keras.callbacks.BackupAndRestore(str(tmp_path / "a"))
-    for name in ("_weights_path", "_training_metadata_path", "_prev_weights_path", "_prev_training_metadata_path"):
-        assert str(tmp_path / "a") in getattr(callback, name)
-    _compat.redirect_backup(callback, str(tmp_path / "b"))
-    assert callback.backup_dir == str(tmp_path / "b")
-    assert callback._weights_path == str(tmp_path / "b" / "latest.weights.h5")
-    assert callback._training_metadata_path == str(tmp_path / "b" / "training_metadata.json")
-    source = inspect.getsource(keras.callbacks.BackupAndRestore._save_model)
-    assert "self._weights_path" in source and "self._training_metadata_path" in source
+def test_initial_epoch_set_on_the_model_is_where_fit_starts():
+    source = inspect.getsource(tf_trainer.TensorFlowTrainer.fit)
+    assert "initial_epoch = self._initial_epoch or initial_epoch" in source
+    inputs = keras.Input((1,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    _compat.set_initial_epoch(model, 2)
+    history = model.fit(np.ones((4, 1)), np.ones((4, 1)), epochs=3, verbose=0)
+    assert history.epoch == [2]
+    _compat.set_initial_epoch(model, None)
+    assert model.fit(np.ones((4, 1)), np.ones((4, 1)), epochs=3, verbose=0).epoch == [0, 1, 2]
+
+
+def test_clone_model_builds_a_functional_clone_from_the_class_and_options_are_copied():
+    from keras.src.models import cloning
+
+    assert "_clone_functional_model(" in inspect.getsource(cloning.clone_model)
+    original = cloning._clone_functional_model._safe_dist_copy_options
+    assert "model.__class__(\n            input_tensors, output_tensors, name=model.name\n        )" in (
+        inspect.getsource(inspect.unwrap(cloning._clone_functional_model))
+    )
+    seen = []
+    _compat.copy_options_on_clone(lambda model, clone: seen.append(clone))  # installed once
+    assert cloning._clone_functional_model._safe_dist_copy_options is original
+    inputs = keras.Input((2,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs), clipvalue=0.5)
+    assert keras.models.clone_model(model).clipvalue == 0.5
+    assert seen == []
 
 
 def test_strategy_accessors_name_the_strategy_of_models_and_variables():

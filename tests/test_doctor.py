@@ -243,8 +243,8 @@ def test_json_report_keeps_each_probes_checks_text():
 def test_json_report_replaces_non_finite_figures():
     result = doctor.Result(doctor.PROBES[7], Side(False, float("nan")), Side(True, 1.0), 0.5)
     data = doctor.to_json({"python": "3.11"}, 2, [result])
-    assert data["probes"][0]["stock"] == {"ok": False, "figure": "nan"}
-    assert json.loads(json.dumps(data)) == data
+    assert data["probes"][0]["stock"] == {"ok": False, "figure": "NaN"}
+    assert json.loads(json.dumps(data, allow_nan=False)) == data
 
 
 def test_strategy_needs_two_replicas_and_a_fresh_process():

@@ -6,6 +6,8 @@ from keras_safe_dist.findings import CODES
 from keras_safe_dist.findings import SEVERITIES
 from keras_safe_dist.findings import AuditReport
 from keras_safe_dist.findings import Finding
+from keras_safe_dist.findings import markdown_cell
+from keras_safe_dist.findings import markdown_row
 
 
 def finding(code="AGG003", subject="model/counter/count"):
@@ -80,3 +82,25 @@ def test_dict_is_json_ready_and_round_trips():
     assert again.findings == report.findings
     assert again.summary() == report.summary()
     assert again.ignored == ("AGG001",)
+
+
+@pytest.mark.parametrize("data, problem", [
+    ({}, "missing: name, findings. Received keys: []"),
+    ({"name": "scope"}, "missing: findings. Received keys: ['name']"),
+    ({"name": "scope", "findings": "none"}, "`findings` is a str. Received keys: ['findings', 'name']"),
+    ([1, 2], "Received: list"),
+])
+def test_from_dict_of_the_wrong_shape_names_what_is_missing(data, problem):
+    with pytest.raises(ValueError) as error:
+        AuditReport.from_dict(data)
+    message = str(error.value)
+    assert message.startswith(
+        "AuditReport.from_dict() needs a dict with `name` (the audit's name) and `findings` "
+        "(a list of dicts with the keys code, severity, subject, message, fix), as to_dict() returns"
+    )
+    assert message.endswith(problem)
+
+
+def test_every_table_escapes_its_cells_alike():
+    assert markdown_cell("a | b\nc\r\nd") == "a \\| b c d"
+    assert markdown_row(["x|y", 1]) == "| x\\|y | 1 |"

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -199,3 +200,120 @@ def test_launch_help_and_argument_errors_return_without_loading_tensorflow():
     seconds = time.perf_counter() - start
     assert done.returncode == 0 and "firewall" in done.stdout
     assert seconds < 2.0, seconds  # TensorFlow alone takes about 4 s to import
+
+
+def test_workers_and_their_children_end_when_the_launcher_is_killed_with_sigkill(tmp_path):
+    marker = f"ksd_sigkill_{uuid.uuid4().hex}"
+    launcher = _launcher(_sleeper_script(tmp_path, marker))
+    try:
+        for _ in range(2):  # both workers started their child
+            assert "ready" in launcher.stdout.readline()
+        assert len(_survivors(marker)) == 5  # the launcher, two workers, a child each
+        launcher.kill()  # SIGKILL: the launcher cleans up nothing itself
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _survivors(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _survivors(marker) == []
+        assert time.monotonic() < deadline
+    finally:
+        for pid in _survivors(marker):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_worker_count_the_machine_cannot_hold_is_refused_before_binding(tmp_path, capsys, monkeypatch):
+    from keras_safe_dist import launch as launch_module
+
+    def no_binding(count):
+        raise AssertionError("bound ports for a refused worker count")
+
+    monkeypatch.setattr(launch_module, "free_ports", no_binding)
+    path = script(tmp_path, "pass\n")
+    most, reason = launch_module.max_workers()
+    start = time.perf_counter()
+    assert cli.main(["launch", "--workers", "100000", path]) == 2
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert err.startswith(f"keras-safe-dist launch: `workers` must be at most {most} on this machine: {reason}.")
+    assert "Received: workers=100000. Start fewer workers" in err
+
+
+def test_the_open_file_limit_bounds_the_worker_count(monkeypatch):
+    import resource
+
+    from keras_safe_dist import launch as launch_module
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 256))
+    most, reason = launch_module.max_workers()
+    assert most == 256 - launch_module._open_files() - 32
+    assert reason.startswith("this process may open 256 files (ulimit -n)")
+    with pytest.raises(ValueError, match=r"or raise the limit \(ulimit -n\)\.$"):
+        WorkerGroup(__file__, workers=most + 1)
+
+
+_BINDS_ITS_PORT = (
+    "import socket\n"
+    "port = int(json.loads(os.environ['TF_CONFIG'])['cluster']['worker'][index].rsplit(':', 1)[1])\n"
+    "server = socket.socket()\n"
+    "server.bind(('127.0.0.1', port))\n"
+    "print('bound', port)\n"
+)
+
+
+@pytest.mark.parametrize("taken_twice", [False, True], ids=["once", "twice"])
+def test_a_port_taken_before_the_worker_binds_it_is_named_and_retried_once(tmp_path, capsys, monkeypatch, taken_twice):
+    from keras_safe_dist import launch as launch_module
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    real = launch_module.free_ports
+    chosen = []
+
+    def racy_free_ports(count):
+        ports = real(count)
+        if len(chosen) == 0 or taken_twice:
+            ports[0] = taken  # another process binds it before worker 0 does
+        chosen.append(ports)
+        return ports
+
+    monkeypatch.setattr(launch_module, "free_ports", racy_free_ports)
+    try:
+        code = cli.main(["launch", "--workers", "2", "--timeout", "60", script(tmp_path, _BINDS_ITS_PORT)])
+    finally:
+        holder.close()
+    out, err = capsys.readouterr()
+    what = (
+        f"keras-safe-dist launch: worker 0 could not bind port {taken} on 127.0.0.1: another process "
+        "took it between the launcher choosing it and the worker binding it"
+    )
+    assert len(chosen) == 2
+    assert f"{what}; starting every worker again with fresh ports." in err
+    if taken_twice:
+        assert code == 1
+        assert f"{what}, on the second try too; giving up." in err
+    else:
+        assert code == 0
+        assert f"[worker 0] bound {chosen[1][0]}" in out and f"[worker 1] bound {chosen[1][1]}" in out
+
+
+def test_the_watcher_kills_the_groups_still_listed_when_its_pipe_closes_without_done():
+    from keras_safe_dist import _reaper
+
+    sleepers = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        for _ in range(3)
+    ]
+    try:
+        first, second, third = (str(p.pid) for p in sleepers)
+        assert _reaper.main([f"add {first}", f"add {second}", "done"]) is None
+        assert [p.poll() for p in sleepers] == [None, None, None]
+        killed = _reaper.main([f"add {first}", f"add {second}", f"add {third}", f"forget {second}"])
+        assert killed == [sleepers[0].pid, sleepers[2].pid]
+        assert [p.wait(timeout=10) for p in (sleepers[0], sleepers[2])] == [-signal.SIGKILL] * 2
+        assert sleepers[1].poll() is None
+    finally:
+        for process in sleepers:
+            process.kill()
+            process.wait()

@@ -189,3 +189,134 @@ def test_user_callbacks_still_run_and_see_logs():
     model.compile(optimizer="sgd", loss="mse")
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[Record()])
     assert seen == [["loss"]]
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("clipnorm", -1.0, "`clipnorm` must be a finite number > 0 or None. Received: clipnorm=-1.0"),
+    ("gradient_accumulation_steps", 0, "`gradient_accumulation_steps` must be an integer >= 1. Received: gradient_accumulation_steps=0"),
+    ("skip_nonfinite", "yes", "`skip_nonfinite` must be True or False. Received: skip_nonfinite='yes'"),
+    ("log_update_stats", None, "`log_update_stats` must be True or False. Received: log_update_stats=None"),
+    ("global_clipnorm", float("inf"), "`global_clipnorm` must be a finite number > 0 or None. Received: global_clipnorm=inf"),
+])
+def test_an_option_assigned_after_construction_is_checked_as_the_constructor_does(name, value, message):
+    model = functional(gradient_accumulation_steps=2)
+    before = getattr(model, name)
+    with pytest.raises(ValueError) as error:
+        setattr(model, name, value)
+    assert str(error.value) == message
+    assert getattr(model, name) == before
+
+
+def test_switching_clipping_modes_needs_the_old_one_set_to_none_first():
+    model = functional(clipnorm=1.0)
+    with pytest.raises(ValueError) as error:
+        model.global_clipnorm = 2.0
+    assert str(error.value) == (
+        "Only one of `global_clipnorm`, `clipnorm` and `clipvalue` can be set. "
+        "Received: global_clipnorm=2.0, clipnorm=1.0, clipvalue=None. To switch to "
+        "`global_clipnorm`, first set the mode in use to None (model.clipnorm = None), "
+        "then assign global_clipnorm"
+    )
+    model.clipnorm = None
+    model.global_clipnorm = 2.0
+    assert (model.clipnorm, model.global_clipnorm) == (None, 2.0)
+
+
+def test_options_assigned_after_a_fit_train_as_a_model_built_with_them(replicas):
+    x, y, _ = regression_data(40)
+    with strategy_for(replicas).scope():
+        keras.utils.set_random_seed(3)
+        assigned = functional()
+        assigned.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    assigned.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # traces the step
+    with strategy_for(replicas).scope():
+        fresh = functional(gradient_accumulation_steps=2, global_clipnorm=0.01)
+        fresh.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    fresh.set_weights(assigned.get_weights())
+    start = assigned.get_weights()
+    assigned.gradient_accumulation_steps = 2
+    assigned.global_clipnorm = 0.01
+    for model in (assigned, fresh):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    # Three clipped updates: each moves the weights by at most 0.5 * 0.01.
+    moved = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(assigned.get_weights(), start)))
+    assert 0 < moved <= 3 * 0.5 * 0.01 + 1e-6
+    for a, b in zip(assigned.get_weights(), fresh.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert int(assigned.optimizer.iterations.numpy()) == 5 + 3  # one update per batch, then per 2
+
+
+def test_assigning_an_option_applies_a_pending_group_with_the_options_it_began_under():
+    x, y, _ = regression_data(8)
+    model = functional(gradient_accumulation_steps=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.train_on_batch(x, y)  # half a group: no update yet
+    assert int(model.optimizer.iterations.numpy()) == 0
+    model.clipvalue = 1e-3
+    assert int(model.optimizer.iterations.numpy()) == 1
+    before = model.get_weights()
+    model.train_on_batch(x, y)
+    model.train_on_batch(x, y)  # a whole group under the new clipvalue
+    step = max(np.abs(a - b).max() for a, b in zip(model.get_weights(), before))
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert step == pytest.approx(0.1 * 1e-3, rel=1e-3)  # float32 weights near 1
+
+
+@pytest.mark.parametrize("build", [functional, TwoLayer], ids=["functional", "subclassed"])
+def test_clone_model_keeps_every_option_and_trains_alike(build):
+    options = {
+        "gradient_accumulation_steps": 2, "global_clipnorm": 0.01,
+        "skip_nonfinite": False, "log_update_stats": True,
+    }
+    x, y, _ = regression_data(16)
+    model = build(**options)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    model(x[:1])
+    clone = keras.models.clone_model(model)
+    assert type(clone) is type(model)
+    assert {name: getattr(clone, name) for name in options} == options
+    assert (clone.clipnorm, clone.clipvalue) == (None, None)
+    clone.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    clone(x[:1])
+    clone.set_weights(model.get_weights())
+    histories = [m.fit(x, y, batch_size=4, shuffle=False, verbose=0).history for m in (model, clone)]
+    assert histories[0]["clip_rate"] == histories[1]["clip_rate"] == [1.0]
+    assert histories[0]["samples_per_update"] == histories[1]["samples_per_update"] == [8.0]
+    for a, b in zip(model.get_weights(), clone.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_compile_without_an_optimizer_is_refused_at_compile():
+    model = functional()
+    with pytest.raises(ValueError) as error:
+        model.compile(optimizer=None, loss="mse")
+    assert str(error.value) == (
+        "SafeDistributedModel.compile() needs an optimizer: every update is applied with it. "
+        "Received: optimizer=None. Pass an optimizer or its name (e.g. optimizer='sgd'), "
+        "or leave the default."
+    )
+    assert not model.compiled
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("data", ["arrays", "take(0)"])
+def test_fit_and_evaluate_on_data_without_samples_raise(steps, data):
+    model = functional(gradient_accumulation_steps=steps)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((0, 4), "float32"), np.zeros((0, 1), "float32")
+    if data == "arrays":
+        args, received = (x, y), "x of shape (0, 4)"
+    else:
+        x, y, _ = regression_data(8)
+        args = (tf.data.Dataset.from_tensor_slices((x, y)).batch(4).take(0),)
+        received = "a tf.data.Dataset of cardinality 0"
+    for method, purpose in (("fit", "train on"), ("evaluate", "evaluate")):
+        with pytest.raises(ValueError) as error:
+            getattr(model, method)(*args, verbose=0)
+        message = str(error.value)
+        assert message.startswith(
+            f"SafeDistributedModel.{method}() received data that holds no samples, "
+            f"so there is nothing to {purpose}"
+        )
+        assert f"Received: {received}" in message
+    assert int(model.optimizer.iterations.numpy()) == 0

@@ -1,6 +1,7 @@
 """`keras-safe-dist report LOGDIR` and the Dashboard callback."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from keras_safe_dist.report import read_log_dir
 
 from conftest import SumCounter
 from conftest import strategy_for
+from conftest import strict_json
 
 X = np.random.default_rng(1).normal(size=(20, 3)).astype("float32")
 Y = X[:, :1] * 3.0
@@ -346,3 +348,79 @@ def test_report_into_a_closed_pipe_stops_quietly_with_sigpipe_status(tmp_path):
         os.close(write)
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
     assert done.returncode == 128 + signal.SIGPIPE
+
+
+def test_report_json_and_nan_onset_json_are_strict_json_after_a_nan(tmp_path, capsys):
+    x = X.copy()
+    x[5, 1] = np.nan  # second batch of 4: its loss and gradient norm are NaN
+    with strategy_for(1).scope():
+        inputs = keras.Input((3,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    detector = callbacks.NaNOnsetDetector(log_dir=str(tmp_path), action="continue")
+    model.fit(x, Y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[detector, callbacks.Dashboard(str(tmp_path))])
+    capsys.readouterr()
+    onset = strict_json((tmp_path / "nan_onset.json").read_text())
+    assert math.isnan(detector.report["history"][-1]["loss"])
+    assert onset["history"][-1]["loss"] == "NaN"
+    code, out, _ = run_cli(capsys, str(tmp_path), "--json")
+    assert code == 1
+    data = strict_json(out)
+    assert data["nan_onsets"][0]["history"][-1]["loss"] == "NaN"
+
+
+def test_report_table_escapes_cells_as_the_audit_markdown_does(tmp_path, capsys):
+    from keras_safe_dist.findings import AuditReport
+    from keras_safe_dist.findings import Finding
+
+    finding = Finding.of("AGG003", "model/a|b", "one | two\nthree", "fix | it")
+    report = AuditReport("custom", [finding])
+    (tmp_path / "audit_custom.json").write_text(json.dumps(report.to_dict()))
+    code, out, _ = run_cli(capsys, str(tmp_path))
+    assert code == 1
+    (row,) = [line for line in out.splitlines() if "AGG003 | error" in line]
+    assert row == "| custom | AGG003 | error | model/a\\|b | one \\| two three | fix \\| it |"
+    assert row.endswith(report.to_markdown().splitlines()[-1][len("| AGG003 | error "):])
+
+
+def test_report_names_the_only_event_file_when_it_is_damaged(tmp_path, capsys):
+    path = _write_scalars(tmp_path, "safe_distributed/grad_norm", [1.0, 2.0])
+    intact = path.read_bytes()
+    for damage in (intact[:20], bytes(b ^ 0x5A for b in intact), b"garbage" * 10):
+        path.write_bytes(damage)
+        code, out, err = run_cli(capsys, str(tmp_path))
+        assert code == 2 and out == ""
+        assert err.startswith(f"keras-safe-dist report: nothing readable under {tmp_path}: ")
+        assert f"the damaged event files: {path} (event file damaged, read up to it:" in err
+        assert "Pass the log_dir" not in err
+
+
+def test_report_skips_a_fifo_named_like_its_files_instead_of_waiting(tmp_path):
+    for name in ("nan_onset.json", "events.out.tfevents.1.host"):
+        os.mkfifo(tmp_path / name)
+    # In a child process: a hang fails the test after the timeout instead of blocking it.
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_safe_dist.cli", "report", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
+    assert done.returncode == 2
+    problem = "not a regular file (a FIFO, socket, device or folder), so not opened"
+    assert f"cannot read {tmp_path / 'nan_onset.json'}: {problem}" in done.stderr
+    assert f"skipped {tmp_path / 'events.out.tfevents.1.host'}: {problem}" in done.stderr
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{}", "JSON not of the shape keras_safe_dist writes (ValueError('a NaN onset report holds `epoch` "
+           "and `batch` (integers) and `kind` (a string); missing or wrong: epoch, batch, kind'))"),
+    ('{"epoch": true, "batch": 1, "kind": "loss"}', "missing or wrong: epoch'))"),
+    ("[" * 100000 + "]" * 100000, "JSON nested too deeply to be a report keras_safe_dist writes"),
+])
+def test_a_nan_onset_json_not_of_the_projects_shape_is_named_with_exit_2(tmp_path, capsys, text, problem):
+    (tmp_path / "nan_onset.json").write_text(text)
+    code, out, err = run_cli(capsys, str(tmp_path))
+    assert code == 2
+    assert "NAN001" not in out
+    assert f"keras-safe-dist report: cannot read {tmp_path / 'nan_onset.json'}: " in err
+    assert problem in err

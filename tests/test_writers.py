@@ -124,3 +124,23 @@ def test_chief_removes_only_its_files_and_the_folder_once_empty(tmp_path):
     (backup / "worker_1").rmdir()
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[MultiWorkerBackupAndRestore(str(backup))])
     assert not backup.exists()
+
+
+@pytest.mark.parametrize("bad", ["a file", "below a file", "too long"])
+def test_dashboard_with_a_bad_log_dir_fails_before_training_as_the_other_callbacks(tmp_path, bad):
+    model, x, y = model_and_data()
+    counter = CountBatches()
+    if bad == "a file":
+        log_dir, kind, problem = tmp_path / "file.txt", FileExistsError, "File exists"
+        log_dir.write_text("")
+    elif bad == "below a file":
+        log_dir, kind, problem = unwritable(tmp_path), NotADirectoryError, "Not a directory"
+    else:
+        log_dir, kind, problem = tmp_path / ("x" * 300), OSError, "File name too long"
+    with pytest.raises(kind) as error:
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[callbacks.Dashboard(log_dir), counter])
+    assert str(error.value) == (
+        f"Dashboard cannot write to `log_dir`={str(log_dir)!r}: {problem}. "
+        "Pass a directory it can create and write."
+    )
+    assert counter.batches == 0

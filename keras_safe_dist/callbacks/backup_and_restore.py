@@ -1,20 +1,16 @@
 """`BackupAndRestore` that is safe with several workers sharing one directory."""
 
+import hashlib
+import json
 import os
+import re
 
 import keras
 import tensorflow as tf
 
 from keras_safe_dist import _compat
+from keras_safe_dist import _json
 from keras_safe_dist import distributed
-
-# What Keras's BackupAndRestore writes into its directory.
-_CHIEF_FILES = (
-    "latest.weights.h5",
-    "training_metadata.json",
-    "latest.weights.h5.bkp",
-    "training_metadata.json.bkp",
-)
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
@@ -40,6 +36,15 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
     pending (a partial group was just applied), so a resumed run ends with the
     weights of an uninterrupted one.
 
+    A backup is one unit, restored whole or not at all: the weights after N
+    epochs (`epoch_<N>.weights.h5`) and `training_metadata.json`, which names
+    that file, its size and SHA-256 digest and N. Each is written beside its
+    final name and then renamed over it, the metadata last, so a process
+    killed at any moment of a backup leaves the previous backup whole. A
+    backup whose weights or metadata are missing, damaged or not of this
+    shape, or whose epoch is beyond `fit()`'s `epochs`, raises an error
+    naming `backup_dir` and the file; delete the folder to start over.
+
     Args:
         backup_dir: directory for the backup, readable by every worker.
         delete_checkpoint: delete the backup when training ends normally
@@ -49,7 +54,9 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     Raises:
         ValueError: for a `save_freq` other than `"epoch"`, or an empty
-            `backup_dir` (Keras's own check).
+            `backup_dir` (Keras's own check); when training begins, for a
+            backup that cannot be restored whole (the model is left as it
+            was).
         OSError: when training begins, for a directory the worker cannot
             create or write.
 
@@ -73,14 +80,20 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_train_begin(self, logs=None):
         strategy = self.model.distribute_strategy
-        if distributed.is_chief(strategy):
+        chief = distributed.is_chief(strategy)
+        worker_dir = None
+        if chief:
             _check_writable(self._chief_dir)
-            super().on_train_begin(logs)
-            return
-        super().on_train_begin(logs)
-        self._worker_dir = os.path.join(self._chief_dir, distributed.worker_name(strategy))
-        _check_writable(self._worker_dir)
-        _compat.redirect_backup(self, self._worker_dir)
+        else:
+            worker_dir = os.path.join(self._chief_dir, distributed.worker_name(strategy))
+            _check_writable(worker_dir)
+        # Every worker restores from the chief's backup; reading it changes
+        # nothing on disk, so the workers need not take turns.
+        self._restore()
+        self._worker_dir = worker_dir
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._save(self._worker_dir or self._chief_dir, epoch + 1)
 
     def on_train_end(self, logs=None):
         # Not Keras's rmtree of the whole directory: the workers end at their
@@ -88,16 +101,221 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         # empty (whichever removes last sees it empty).
         if self._worker_dir is not None:
             _remove(self._worker_dir)
-            _compat.redirect_backup(self, self._chief_dir)
             self._worker_dir = None
         elif self.delete_checkpoint:
-            for name in _CHIEF_FILES:
+            # The metadata first: without it the weights are no backup.
+            _remove(os.path.join(self._chief_dir, METADATA_FILE))
+            for name in _own_files(self._chief_dir):
                 _remove(os.path.join(self._chief_dir, name))
         if self.delete_checkpoint:
             _remove_if_empty(self._chief_dir)
+        # Keras keeps the restored epoch on the model, where the next fit()
+        # would start from it even without a backup.
+        _compat.set_initial_epoch(self.model, None)
 
     def get_config(self):
         return {"backup_dir": self._chief_dir, "delete_checkpoint": self.delete_checkpoint}
+
+    def _save(self, directory, epoch):
+        """Writes the weights after `epoch` epochs, then the metadata that commits them."""
+        tf.io.gfile.makedirs(directory)
+        name = _weights_name(epoch)
+        path = os.path.join(directory, name)
+        tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}_{name}")
+        self.model.save_weights(tmp, overwrite=True)
+        size, digest = _digest(tmp)
+        _replace(tmp, path)
+        metadata = {
+            "epoch": epoch,
+            "batch": 0,
+            "weights": name,
+            "weights_bytes": size,
+            "weights_sha256": digest,
+        }
+        # The commit point: until this replace, the previous metadata names
+        # the previous weights file, which is still there.
+        _write_json(os.path.join(directory, METADATA_FILE), metadata)
+        for other in _own_files(directory):
+            if other != name:
+                _remove(os.path.join(directory, other))
+
+    def _restore(self):
+        """Restores the chief's backup whole, or raises naming what is damaged."""
+        if not self.model.built:
+            raise ValueError(
+                "To use the BackupAndRestore callback, "
+                "you model must be built before you call `fit()`. "
+                f"Model {self.model} is unbuilt. You can build it "
+                "beforehand by calling it on a batch of data."
+            )
+        directory = self._chief_dir
+        metadata_path = os.path.join(directory, METADATA_FILE)
+        if not tf.io.gfile.exists(metadata_path):
+            committed = [n for n in _own_files(directory) if not n.startswith(_TMP_PREFIX)]
+            if committed:
+                raise _damaged(
+                    directory, committed[0],
+                    f"is there but {METADATA_FILE}, which says which epoch it "
+                    "belongs to, is missing",
+                )
+            return  # no backup: training starts from the beginning
+        metadata = _read_metadata(directory, metadata_path)
+        epochs = (self.params or {}).get("epochs")
+        if epochs is not None and metadata["epoch"] > epochs:
+            raise _damaged(
+                directory, METADATA_FILE,
+                f"says {metadata['epoch']} epochs are done, more than this fit()'s "
+                f"epochs={epochs}: it is the backup of another run",
+            )
+        weights_path = os.path.join(directory, metadata["weights"])
+        if not tf.io.gfile.exists(weights_path):
+            raise _damaged(
+                directory, metadata["weights"],
+                f"is missing, although {METADATA_FILE} names it",
+            )
+        size, digest = _digest(weights_path)
+        if (size, digest) != (metadata["weights_bytes"], metadata["weights_sha256"]):
+            raise _damaged(
+                directory, metadata["weights"],
+                f"is damaged: {size} bytes with SHA-256 {digest[:12]}..., where "
+                f"{METADATA_FILE} recorded {metadata['weights_bytes']} bytes with "
+                f"SHA-256 {metadata['weights_sha256'][:12]}...",
+            )
+        self._load_whole(directory, metadata["weights"])
+        _compat.set_initial_epoch(self.model, metadata["epoch"])
+
+    def _load_whole(self, directory, name):
+        """Loads the weights file; on failure puts every variable back as it was."""
+        model = self.model
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            # The optimizer's variables must exist before they are loaded.
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
+        variables = list(model.weights) + list(optimizer.variables if optimizer is not None else [])
+        before = [variable.numpy() for variable in variables]
+        try:
+            model.load_weights(os.path.join(directory, name))
+        except Exception as error:
+            for variable, value in zip(variables, before):
+                variable.assign(value)
+            raise _damaged(
+                directory, name,
+                f"does not fit this model and optimizer ({type(error).__name__}: "
+                f"{error}); the model was left as it was",
+            ) from error
+
+
+METADATA_FILE = "training_metadata.json"
+
+# The start of the names of files being written, before they replace theirs.
+_TMP_PREFIX = ".tmp"
+
+_WEIGHTS_PATTERN = re.compile(r"^(\.tmp\d+_)?epoch_\d+\.weights\.h5$")
+
+# The metadata is a few hundred bytes; anything much larger is not ours.
+_METADATA_LIMIT = 1 << 16
+
+
+def _weights_name(epoch):
+    return f"epoch_{epoch}.weights.h5"
+
+
+def _own_files(directory):
+    """The weights files (committed or half-written) and temporary files of a backup."""
+    try:
+        names = tf.io.gfile.listdir(directory)
+    except tf.errors.NotFoundError:
+        return []
+    return sorted(
+        name for name in names
+        if _WEIGHTS_PATTERN.match(name) or name.startswith(f"{METADATA_FILE}.tmp")
+    )
+
+
+def _read_metadata(directory, path):
+    """The backup's metadata, checked to be of the shape `_save` writes."""
+    try:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            raw = f.read(_METADATA_LIMIT + 1)
+        if len(raw) > _METADATA_LIMIT:
+            raise ValueError(f"over {_METADATA_LIMIT} bytes")
+        metadata = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except (OSError, tf.errors.OpError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise _damaged(directory, METADATA_FILE, f"is not readable JSON ({error})") from error
+    expected = {
+        "epoch": int, "batch": int, "weights": str, "weights_bytes": int, "weights_sha256": str,
+    }
+    wrong = [
+        key for key, kind in expected.items()
+        if not isinstance(metadata, dict)
+        or not isinstance(metadata.get(key), kind)
+        or isinstance(metadata.get(key), bool)
+    ]
+    if not wrong and (
+        metadata["epoch"] < 0
+        or not _WEIGHTS_PATTERN.match(metadata["weights"])
+        or metadata["weights"].startswith(_TMP_PREFIX)
+    ):
+        wrong = ["epoch" if metadata["epoch"] < 0 else "weights"]
+    if wrong:
+        raise _damaged(
+            directory, METADATA_FILE,
+            f"is not the metadata this callback writes (wrong or missing: "
+            f"{', '.join(wrong)}; it holds {_preview(metadata)})",
+        )
+    return metadata
+
+
+def _refuse_constant(token):
+    raise ValueError(f"bare {token}")
+
+
+def _preview(data):
+    text = repr(data)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _damaged(directory, name, problem):
+    return ValueError(
+        f"MultiWorkerBackupAndRestore cannot restore the backup in "
+        f"backup_dir={directory!r}: {name} {problem}. A backup restores whole or "
+        f"not at all. Delete the folder {directory!r} to start training over."
+    )
+
+
+def _digest(path):
+    """`(size in bytes, SHA-256 hex digest)` of a file."""
+    digest = hashlib.sha256()
+    size = 0
+    with tf.io.gfile.GFile(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                break
+            size += len(chunk)
+            digest.update(chunk)
+    return size, digest.hexdigest()
+
+
+def _replace(source, target):
+    """Puts `source` in place of `target` in one step."""
+    if "://" in target:  # a remote filesystem (gs://, s3://...)
+        tf.io.gfile.rename(source, target, overwrite=True)
+    else:
+        with open(source, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(source, target)
+
+
+def _write_json(path, data):
+    if "://" in path:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with tf.io.gfile.GFile(tmp, "w") as f:
+            f.write(_json.dumps(data, indent=2, sort_keys=True) + "\n")
+        _replace(tmp, path)
+    else:
+        _json.write(path, data)
 
 
 def _check_writable(directory):

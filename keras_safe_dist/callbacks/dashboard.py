@@ -7,6 +7,7 @@ import tensorflow as tf
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
+from keras_safe_dist import _validate
 from keras_safe_dist.distributed import is_chief
 from keras_safe_dist.statistics import PREFIX
 from keras_safe_dist.statistics import RUN
@@ -61,6 +62,9 @@ class Dashboard(keras.callbacks.Callback):
     Raises:
         TypeError: when `log_dir` is not a path.
         ValueError: when `run` is not a plain folder name.
+        OSError: when training begins, on the chief, for a `log_dir` it
+            cannot create or write (a file, a path below a file, no
+            permission, a name too long), before any batch.
 
     Example:
 
@@ -93,6 +97,8 @@ class Dashboard(keras.callbacks.Callback):
         self._close()
         if not is_chief(self.model.distribute_strategy):
             return
+        # Before any training, with the message the other callbacks give.
+        _validate.writable_directory("Dashboard", "log_dir", self.log_dir, optional=False)
         self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, self.run))
         with self._writer.as_default():
             tf.summary.experimental.write_raw_pb(

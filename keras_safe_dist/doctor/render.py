@@ -3,6 +3,8 @@
 import math
 import textwrap
 
+from keras_safe_dist import _json
+
 __all__ = [
     "format_figure",
     "header",
@@ -120,10 +122,8 @@ def _cell(side, bad):
 
 
 def _side_json(side):
-    figure = side.figure
-    if isinstance(figure, float) and not math.isfinite(figure):
-        figure = str(figure)  # JSON has no NaN or infinity
-    return {"ok": side.ok, "figure": figure}
+    # JSON has no NaN or infinity: the project's strings stand for them.
+    return {"ok": side.ok, "figure": _json.strict(side.figure)}
 
 
 def _summary(results):

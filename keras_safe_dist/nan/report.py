@@ -8,6 +8,7 @@ import numpy as np
 from keras_safe_dist import summaries
 from keras_safe_dist.distributed import is_chief
 from keras_safe_dist.findings import Finding
+from keras_safe_dist.findings import markdown_row
 
 __all__ = ["KINDS", "PLAIN_MODEL_NOTE", "finish", "paragraph", "skips_finding", "write"]
 
@@ -106,7 +107,7 @@ def markdown(report):
     for name in ("epoch", "batch", "kind", "layer", "variables", "replica", "action"):
         value = report[name]
         value = ", ".join(value) if isinstance(value, list) else value
-        rows.append(f"| {name} | {'' if value is None else value} |")
+        rows.append(markdown_row((name, "" if value is None else value)))
     return "**NaN onset**\n\n" + "\n".join(rows) + "\n\n" + report["summary"]
 
 

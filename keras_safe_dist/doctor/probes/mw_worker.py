@@ -9,7 +9,6 @@ the update from one device, or the error.
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,6 +28,7 @@ def main(argv=None):
 
     import keras
 
+    from keras_safe_dist import _json
     from keras_safe_dist.doctor.probe import TOLERANCE
     from keras_safe_dist.doctor.probe import Side
     from keras_safe_dist.doctor.probe import measure
@@ -50,7 +50,7 @@ def main(argv=None):
 
     for name in args.sides.split(","):
         result = measure(lambda cls=classes[name]: side(cls))
-        print("RESULT " + json.dumps({"side": name, **result.to_json()}), flush=True)
+        print("RESULT " + _json.dumps({"side": name, **result.to_json()}), flush=True)
     return 0
 
 

@@ -1,0 +1,222 @@
+"""`MultiWorkerBackupAndRestore`: a backup restores whole or not at all."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore
+
+from conftest import strict_json
+
+X = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+Y = X.sum(axis=1, keepdims=True)
+
+
+def model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,), name="x")
+    built = SafeDistributedModel(inputs, keras.layers.Dense(1, name="out")(inputs))
+    built.compile(optimizer="sgd", loss="mse")
+    return built
+
+
+class Record(keras.callbacks.Callback):
+    """The epochs run and the weights when the first of them began."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs, self.start = [], None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.start is None:
+            self.start = [w.copy() for w in self.model.get_weights()]
+        self.epochs.append(epoch)
+
+
+@pytest.fixture
+def backup(tmp_path):
+    """A backup of one epoch, as a run killed after epoch 0 leaves it; and its weights."""
+    trained = model()
+    directory = tmp_path / "backup"
+    trained.fit(X, Y, batch_size=8, epochs=1, verbose=0,
+                callbacks=[MultiWorkerBackupAndRestore(str(directory), delete_checkpoint=False)])
+    return directory, trained.get_weights()
+
+
+def resume(directory, epochs=3):
+    record = Record()
+    model(seed=1).fit(X, Y, batch_size=8, epochs=epochs, verbose=0,
+                      callbacks=[MultiWorkerBackupAndRestore(str(directory)), record])
+    return record
+
+
+def test_a_whole_backup_resumes_at_its_epoch_with_its_weights(backup):
+    directory, weights = backup
+    assert sorted(os.listdir(directory)) == ["epoch_1.weights.h5", "training_metadata.json"]
+    metadata = strict_json((directory / "training_metadata.json").read_text())
+    assert (metadata["epoch"], metadata["weights"]) == (1, "epoch_1.weights.h5")
+    assert metadata["weights_bytes"] == os.path.getsize(directory / "epoch_1.weights.h5")
+    record = resume(directory)
+    assert record.epochs == [1, 2]
+    for saved, restored in zip(weights, record.start):
+        np.testing.assert_array_equal(saved, restored)
+    assert not directory.exists()
+
+
+def _damage(directory, how):
+    weights = directory / "epoch_1.weights.h5"
+    metadata = directory / "training_metadata.json"
+    if how == "weights deleted":
+        weights.unlink()
+        return "epoch_1.weights.h5 is missing, although training_metadata.json names it"
+    if how == "metadata deleted":
+        metadata.unlink()
+        return "epoch_1.weights.h5 is there but training_metadata.json, which says which epoch it belongs to, is missing"
+    if how == "weights truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+        return "epoch_1.weights.h5 is damaged: 1000 bytes with SHA-256"
+    if how == "weights empty":
+        weights.write_bytes(b"")
+        return "epoch_1.weights.h5 is damaged: 0 bytes with SHA-256"
+    if how == "weights flipped":
+        data = bytearray(weights.read_bytes())
+        data[-100] ^= 0xFF
+        weights.write_bytes(bytes(data))
+        return "epoch_1.weights.h5 is damaged:"
+    if how == "metadata garbage":
+        metadata.write_bytes(b"\x00\xff garbage")
+        return "training_metadata.json is not readable JSON"
+    if how == "metadata empty object":
+        metadata.write_text("{}")
+        return "training_metadata.json is not the metadata this callback writes (wrong or missing: epoch, batch"
+    if how == "metadata nested":
+        metadata.write_text("[" * 100000 + "]" * 100000)
+        return "training_metadata.json is not readable JSON"
+    if how == "epoch beyond epochs":
+        data = json.loads(metadata.read_text())
+        metadata.write_text(json.dumps(dict(data, epoch=99)))
+        return "training_metadata.json says 99 epochs are done, more than this fit()'s epochs=3"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", [
+    "weights deleted", "metadata deleted", "weights truncated", "weights empty", "weights flipped",
+    "metadata garbage", "metadata empty object", "metadata nested", "epoch beyond epochs",
+])
+def test_a_damaged_backup_is_refused_naming_the_folder_the_file_and_the_remedy(backup, how):
+    directory, _ = backup
+    problem = _damage(directory, how)
+    record = Record()
+    with pytest.raises(ValueError) as error:
+        model(seed=1).fit(X, Y, batch_size=8, epochs=3, verbose=0,
+                          callbacks=[MultiWorkerBackupAndRestore(str(directory)), record])
+    message = str(error.value)
+    assert message.startswith(
+        f"MultiWorkerBackupAndRestore cannot restore the backup in backup_dir={str(directory)!r}: "
+    )
+    assert problem in message
+    assert message.endswith(f"Delete the folder {str(directory)!r} to start training over.")
+    assert record.epochs == []
+
+
+def test_weights_of_another_model_are_refused_and_the_model_is_left_as_it_was(backup):
+    directory, _ = backup
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((4,), name="x")
+    other = SafeDistributedModel(inputs, keras.layers.Dense(1, name="out")(keras.layers.Dense(3)(inputs)))
+    other.compile(optimizer="sgd", loss="mse")
+    other.build((None, 4))
+    before = other.get_weights()
+    with pytest.raises(ValueError, match="epoch_1.weights.h5 does not fit this model and optimizer"):
+        other.fit(X, Y, batch_size=8, epochs=3, verbose=0, callbacks=[MultiWorkerBackupAndRestore(str(directory))])
+    for old, now in zip(before, other.get_weights()):
+        np.testing.assert_array_equal(old, now)
+
+
+_KILLED_RUN = """
+import os, sys, time
+import keras, numpy as np
+from keras_safe_dist import SafeDistributedModel, _json
+from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore
+
+directory, stage, expected = sys.argv[1:4]
+keras.utils.set_random_seed(0)
+x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+inputs = keras.Input((4,), name="x")
+model = SafeDistributedModel(inputs, keras.layers.Dense(1, name="out")(inputs))
+model.compile(optimizer="sgd", loss="mse")
+
+def hang(path):
+    with open(path, "r+b") as f:  # half of the file is on disk
+        f.truncate(os.path.getsize(path) // 2)
+    print("WRITING", flush=True)
+    time.sleep(600)
+
+saves = []
+save_weights, write_json = model.save_weights, _json.write
+
+def slow_save_weights(path, *args, **kwargs):
+    save_weights(path, *args, **kwargs)
+    saves.append(path)
+    if stage == "weights" and len(saves) == 2:
+        hang(path)
+
+def slow_write_json(path, data):
+    if stage == "metadata" and len(saves) == 2:
+        with open(f"{path}.tmp{os.getpid()}", "w") as f:
+            f.write(_json.dumps(data))
+        hang(f"{path}.tmp{os.getpid()}")
+    return write_json(path, data)
+
+model.save_weights = slow_save_weights
+_json.write = slow_write_json
+
+class Keep(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            np.savez(expected, *self.model.get_weights())
+
+model.fit(x, x.sum(axis=1, keepdims=True), batch_size=8, epochs=3, verbose=0,
+          callbacks=[Keep(), MultiWorkerBackupAndRestore(directory)])
+"""
+
+
+@pytest.mark.parametrize("stage", ["weights", "metadata"])
+def test_a_run_killed_while_writing_a_backup_resumes_from_the_previous_one(tmp_path, stage):
+    # Epoch 0's backup is whole; the process is killed while epoch 1's is
+    # being written: in the weights file, or in the metadata after the new
+    # weights file took its name.
+    script = tmp_path / "killed_run.py"
+    script.write_text(_KILLED_RUN)
+    directory, expected = tmp_path / "backup", tmp_path / "expected.npz"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.pathsep.join(sys.path))
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(directory), stage, str(expected)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.strip() == "WRITING" or time.monotonic() > deadline:
+                break
+        assert lines and lines[-1].strip() == "WRITING", "".join(lines[-20:])
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    assert process.returncode == -signal.SIGKILL
+    assert "epoch_2.weights.h5" in "".join(os.listdir(directory))  # the half-written backup
+    record = resume(directory)
+    assert record.epochs == [1, 2]
+    saved = np.load(expected)
+    for index, restored in enumerate(record.start):
+        np.testing.assert_array_equal(saved[f"arr_{index}"], restored)
