@@ -15,10 +15,10 @@ from conftest import strategy_for
 TOLERANCE = {
     "float64": 1e-10,
     "float32": 1e-5,
-    "float16": 2e-2,
-    "bfloat16": 1e-1,
-    "mixed_float16": 2e-2,
-    "mixed_bfloat16": 1e-1,
+    "float16": 5e-3,
+    "bfloat16": 5e-2,
+    "mixed_float16": 5e-3,
+    "mixed_bfloat16": 5e-2,
 }
 
 
