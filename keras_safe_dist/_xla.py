@@ -52,6 +52,7 @@ def replica_step(model, data):
     # corrects the gradients outside.
     divide = engine.steps == 1 or engine.estimates
     changed = []  # set while tracing: which of `stateful` the pass assigned
+    per_sample = []  # set while tracing: the loss's `per_sample` (a Python bool)
 
     def replica_pass(trainable_values, state_values, x, y, sample_weight, scale):
         mapping = list(zip(trainable, trainable_values)) + list(zip(stateful, state_values))
@@ -72,6 +73,8 @@ def replica_step(model, data):
             if scale is not None:
                 objective = objective * tf.cast(scale, objective.dtype)
         grads = tape.gradient(objective, trainable_values)
+        per_sample[:] = [micro.per_sample]
+        micro = micro._replace(per_sample=True)  # not a tensor to return
         after = [scope.get_current_value(v) for v in stateful]
         changed[:] = [i for i, (b, a) in enumerate(zip(before, after)) if a is not b]
         masks = [_compat.keras_mask(t) for t in keras.tree.flatten(y_pred)]
@@ -86,6 +89,7 @@ def replica_step(model, data):
     micro, estimate, grads, new_state, y_pred, masks = compiled_pass(
         values(trainable), values(stateful), x, y, sample_weight, scale
     )
+    micro = micro._replace(per_sample=per_sample[0])
     for i, value in zip(changed, new_state):
         stateful[i].assign(value)
     for t, mask in zip(keras.tree.flatten(y_pred), masks):

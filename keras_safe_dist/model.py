@@ -32,7 +32,9 @@ def _option(name):
     """A property for the option `name` that validates an assignment as the constructor does."""
 
     def get(self):
-        return self.__dict__["_safe_dist_options"][name]
+        # The defaults until `__init__` sets them: a parent class may read
+        # them sooner (KerasHub's Task compiles in its own `__init__`).
+        return self.__dict__.get("_safe_dist_options", _OPTION_DEFAULTS)[name]
 
     def set(self, value):
         self._assign_option(name, value)
@@ -146,13 +148,15 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             # the subclass's own `__init__`.
             _make_functional(type(self))
         bases = SafeDistributedModel.__bases__
-        super().__init__(*args, **kwargs)
-        if SafeDistributedModel.__bases__ != bases:
-            # A parent mixed in after SafeDistributedModel passed inputs and
-            # outputs to keras.Model.__init__ itself (a KerasHub Task does),
-            # and Keras made every class up to keras.Model functional,
-            # SafeDistributedModel included. Undo that for SafeDistributedModel:
-            # this class is functional through that parent.
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            # A parent mixed in after SafeDistributedModel may pass inputs and
+            # outputs to keras.Model.__init__ itself (a KerasHub Task does);
+            # Keras then makes every class up to keras.Model functional,
+            # SafeDistributedModel included. Undo that for SafeDistributedModel,
+            # also when the parent's __init__ fails: this class is functional
+            # through that parent.
             SafeDistributedModel.__bases__ = bases
         self._set_options(options)
         self._safe_dist_built_at = _scope.creation_site()
@@ -290,10 +294,9 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             raise
         replicas = self.distribute_strategy.num_replicas_in_sync
         self._xla_replicas = False
-        # A parent class may compile in its own __init__ (KerasHub's Task
-        # does), before the options are set.
-        steps = getattr(self, "gradient_accumulation_steps", 1)
-        keeps_rows = steps > 1 and bool(_accumulate.row_variables(self))
+        keeps_rows = self.gradient_accumulation_steps > 1 and bool(
+            _accumulate.row_variables(self)
+        )
         if self.jit_compile and (replicas > 1 or keeps_rows):
             # Keras would compile the whole step, cross-replica update
             # included, which XLA cannot hold, nor the rows of an Embedding's

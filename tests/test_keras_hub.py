@@ -113,3 +113,16 @@ def test_mixed_in_task_saves_and_loads_with_options(tmp_path):
     assert loaded.gradient_accumulation_steps == 2
     assert loaded.global_clipnorm == 0.5
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_a_failing_mixed_in_init_leaves_safe_distributed_model_as_it_was():
+    # The task compiles itself in its __init__, after keras.Model.__init__
+    # made every class of the hierarchy functional.
+    class Failing(SafeBertClassifier):
+        def compile(self, *args, **kwargs):
+            raise RuntimeError("compile failed")
+
+    bases = SafeDistributedModel.__bases__
+    with pytest.raises(RuntimeError, match="compile failed"):
+        Failing(backbone=backbone(), num_classes=2, preprocessor=None)
+    assert SafeDistributedModel.__bases__ == bases
