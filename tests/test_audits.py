@@ -268,9 +268,9 @@ def test_scope_error_names_the_lines_that_built_the_layers_of_a_wrapped_model():
     assert finding.code == "SCOPE001" and finding.message.startswith("4 of 4 variables belong to no strategy")
     assert finding.fix == (
         f"Move the lines that build model 'wrapped' (built at test_audits.py:{hidden} in two_layers, "
-        f"test_audits.py:{out} in two_layers) into `with strategy.scope():`: its layers were built "
-        f"there, before the model wrapped them at test_audits.py:{wrapped} in "
-        "test_scope_error_names_the_lines_that_built_the_layers_of_a_wrapped_model."
+        f"test_audits.py:{out} in two_layers) into `with strategy.scope():`: its variables were "
+        f"created there, not where the model was made (test_audits.py:{wrapped} in "
+        "test_scope_error_names_the_lines_that_built_the_layers_of_a_wrapped_model)."
     )
     assert f"Fix: {finding.fix}" in str(raised.value)
 

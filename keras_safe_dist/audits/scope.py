@@ -168,6 +168,13 @@ def _model_fix(model, strategy):
     (`SafeDistributedModel(inputs=m.inputs, outputs=m.outputs)`) was made
     elsewhere: moving that line into the scope is not enough, and the fix
     says so. Without a recorded site, the line that made the model.
+
+    Args:
+        model: the `keras.Model` checked.
+        strategy: the training strategy.
+
+    Returns:
+        The fix, one sentence.
     """
     made_at = getattr(model, "_safe_dist_built_at", None)
     wrong = [v for v in model.variables if not _variables.belongs_to(v, strategy)]
@@ -180,9 +187,7 @@ def _model_fix(model, strategy):
     lines = "lines that build" if len(sites) > 1 else "line that builds"
     fix = f"Move the {lines} model '{model.name}' (built at {shown}) into `with strategy.scope():`"
     if made_at and made_at not in sites:
-        fix += (
-            f": its layers were built there, before the model wrapped them at {made_at}"
-        )
+        fix += f": its variables were created there, not where the model was made ({made_at})"
     return fix + "."
 
 
