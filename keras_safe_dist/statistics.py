@@ -30,8 +30,9 @@ def spread_names(name):
     return tuple(f"{name}_{part}" for part in SPREAD.get(name, ()))
 
 
-# Every name SafeDistributedModel logs with its update statistics, in order.
-LOG_NAMES = tuple(STATISTICS) + tuple(n for name in STATISTICS for n in spread_names(name))
+# Every name SafeDistributedModel logs with its update statistics, each
+# statistic followed by its spread.
+LOG_NAMES = tuple(n for name in STATISTICS for n in (name, *spread_names(name)))
 # The Dashboard's tags: `PREFIX/<name>`, in the TensorBoard run `<log_dir>/RUN`.
 PREFIX = "safe_distributed"
 RUN = "safe_distributed"
