@@ -1,6 +1,6 @@
 """Speed and memory of `SafeDistributedModel` against stock `keras.Model` on CPU.
 
-Four sections, all by default, or those named with `--only`:
+Five sections, all by default, or those named with `--only`:
 
 - `plain`: the plain step (default arguments, no callbacks) against stock, on
   one device and on two replicas (two logical CPUs under one
@@ -9,6 +9,10 @@ Four sections, all by default, or those named with `--only`:
 - `execution`: `steps_per_execution` k = 1, 4, 8, 32 on two replicas against
   stock at k = 1 on the same replicas (stock crashes there for k > 1), on the
   MLP 64-256-256-10.
+- `first_epoch`: the first epoch of a new model (tracing included) with
+  `steps_per_execution` k = 1 and 8 on two replicas against stock at k = 1
+  on the same replicas, for the MLP 64-256-256-10 and the convnet. Each round
+  builds every configuration anew, in rotating order.
 - `xla`: `jit_compile=True` against off on two replicas, for the MLP
   64-256-256-10 and a small convnet.
 - `memory`: the peak of TensorFlow's CPU allocator during `fit()` of a
@@ -48,7 +52,7 @@ from keras_safe_dist import SafeDistributedModel  # noqa: E402
 from _timing import no_collection  # noqa: E402
 from _timing import run_worker  # noqa: E402
 
-SECTIONS = ("plain", "execution", "xla", "memory")
+SECTIONS = ("plain", "execution", "first_epoch", "xla", "memory")
 MIB = 2**20
 MEMORY_CONFIGS = {
     # name: (batch size as a multiple of m, gradient_accumulation_steps or None)
@@ -215,6 +219,38 @@ def bench_execution(strategy, rounds, quick):
     return interleave(configs, "stock, k=1", x, y, batch, rounds)
 
 
+def bench_first_epoch(strategy, rounds, quick):
+    """A new model's first epoch, k = 1 and 8 on two replicas, against stock at k = 1."""
+    configs = {
+        "stock, k=1": functools.partial(_model, model_class=keras.Model),
+        "safe, k=1": functools.partial(_model, model_class=SafeDistributedModel),
+        "safe, k=8": functools.partial(
+            _model, model_class=SafeDistributedModel, steps_per_execution=8
+        ),
+    }
+    names = list(configs)
+    results = {}
+    for model_name in ("MLP 64-256-256-10", "convnet 28x28x1"):
+        x, y, batch = _data(model_name, quick)
+        _epoch(configs["stock, k=1"](model_name, strategy=strategy), x, y, batch)  # warm-up
+        times = {name: [] for name in names}
+        for round_ in range(rounds):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                model = configs[name](model_name, strategy=strategy)
+                times[name].append(_epoch(model, x, y, batch))
+        results[f"{model_name}, batch {batch}"] = {
+            name: {
+                "median_epoch_s": statistics.median(times[name]),
+                "median_ratio": statistics.median(
+                    t / b for t, b in zip(times[name], times["stock, k=1"])
+                ),
+            }
+            for name in names
+        }
+    return results
+
+
 def bench_xla(strategy, rounds, quick):
     """`jit_compile=True` against off on two replicas, per model."""
     results = {}
@@ -373,6 +409,17 @@ def _print_report(report):
             report["execution"],
             "stock's at k=1",
         )
+    if "first_epoch" in report:
+        print(f"First epoch of a new model on 2 replicas, tracing included ({rounds} rounds)")
+        print(f"{'configuration':<48}{'epoch ms':>10}{'ratio':>8}")
+        for model_name, rows in report["first_epoch"].items():
+            for name, row in rows.items():
+                print(
+                    f"{model_name + ', ' + name:<48}{row['median_epoch_s'] * 1e3:>10.1f}"
+                    f"{row['median_ratio']:>8.3f}"
+                )
+        print("(ratio: median over rounds of first-epoch time / stock's at k=1, same round)")
+        print()
     if "xla" in report:
         _print_timed(
             f"jit_compile=True on 2 replicas, SafeDistributedModel ({rounds} rounds)",
@@ -421,6 +468,8 @@ def main(argv=None):
         report["plain"] = bench_plain(strategies, rounds, quick)
     if "execution" in args.only:
         report["execution"] = bench_execution(mirrored, rounds, quick)
+    if "first_epoch" in args.only:
+        report["first_epoch"] = bench_first_epoch(mirrored, rounds, quick)
     if "xla" in args.only:
         report["xla"] = bench_xla(mirrored, rounds, quick)
     if "memory" in args.only:

@@ -320,48 +320,46 @@ def _multi_step_function(strategy, step_function, steps, ends=None):
         return tf.logical_not(ends.ends_execution(logs))
 
     def multi_step(iterator):
-        first = iterator.get_next_as_optional()
-        traced = []
+        # The step is traced once, inside the loop: the loop carries its logs
+        # in an Optional whose element spec is set when the step is traced
+        # (the branch that runs it is traced first), as Keras's own loop does.
+        # The structure of the logs is unknown before that trace.
+        empty = tf.experimental.Optional.empty(None)
 
-        def run_first():
-            logs = one_step(first.get_value())
-            traced.append(logs)
-            return tf.constant(True), logs, go_on(logs)
-
-        def no_batch():
-            logs = tf.nest.map_structure(_placeholder_like, traced[0])
-            return tf.constant(False), logs, tf.constant(False)
-
-        ran, logs, more = tf.cond(first.has_value(), run_first, no_batch)
-
-        def body(count, logs, more):
+        def body(count, outputs, more):
             following = iterator.get_next_as_optional()
 
             def run():
                 logs = one_step(following.get_value())
-                return count + 1, logs, go_on(logs)
+                ran = tf.experimental.Optional.from_value(logs)
+                set_optional_spec(empty, ran.element_spec)
+                return count + 1, ran, go_on(logs)
 
-            return tf.cond(
-                following.has_value(), run, lambda: (count, logs, tf.constant(False))
-            )
+            def no_batch():
+                set_optional_spec(outputs, empty.element_spec)
+                return count, outputs, tf.constant(False)
 
-        count, logs, _ = tf.while_loop(
-            lambda count, logs, more: tf.logical_and(more, count < steps),
+            return tf.cond(following.has_value(), run, no_batch)
+
+        count, outputs, _ = tf.while_loop(
+            lambda count, outputs, more: tf.logical_and(more, count < steps),
             body,
-            (tf.constant(1), logs, more),
+            (tf.constant(0), empty, tf.constant(True)),
         )
-        if ends is not None:
-            logs = dict(logs, **{ends.count_name: count})
-        return ran, logs
+        set_optional_spec(outputs, empty.element_spec)
+        return count, outputs
 
     multi_step = tf.function(multi_step, reduce_retracing=True, autograph=False)
     single_step = tf.function(one_step, reduce_retracing=True, autograph=False)
 
     def function(iterator):
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            ran, logs = multi_step(iterator)
-            if not ran:  # one host read per call, as Keras's own has_value()
+            count, outputs = multi_step(iterator)
+            if not outputs.has_value():  # one host read per call, as Keras's own
                 raise StopIteration
+            logs = outputs.get_value()
+            if ends is not None:
+                logs = dict(logs, **{ends.count_name: count})
             return logs
         # train_on_batch / test_on_batch pass a generator of one batch.
         for data in iterator:
@@ -370,10 +368,19 @@ def _multi_step_function(strategy, step_function, steps, ends=None):
 
     return function
 
-def _placeholder_like(tensor):
-    """Zeros of `tensor`'s dtype and static shape (unknown dimensions as 0)."""
-    shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
-    return tf.zeros([0 if d is None else d for d in shape], tensor.dtype)
+
+def set_optional_spec(optional, spec):
+    """Sets the element spec of a `tf.experimental.Optional` after its creation.
+
+    An Optional carried by a `tf.while_loop` may be created empty, before the
+    structure of its value is known (Keras's TensorFlow trainer does this).
+    """
+    optional._element_spec = spec
+
+
+def variable_creator_count():
+    """How many variable creator scopes are active on this thread."""
+    return len(tf.compat.v1.get_default_graph()._variable_creator_stack)
 
 
 def train_data_specs(model):

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
+from keras_safe_dist import statistics
 from keras_safe_dist._accumulate import Accumulators
 
 _ON_READ = tf.VariableSynchronization.ON_READ
@@ -27,7 +28,7 @@ _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 class UpdateEngine:
     """Accumulators, counters and the update logic of one SafeDistributedModel."""
 
-    LOG_NAMES = ("grad_norm", "clip_rate", "skipped_updates", "samples_per_update")
+    LOG_NAMES = statistics.LOG_NAMES
 
     def __init__(self, model, rows=True):
         self.model = model
@@ -122,6 +123,7 @@ class UpdateEngine:
             ),
             "skipped_updates": stats[_STATS.index("skipped_updates")],
             "samples_per_update": stats[_STATS.index("samples_per_update")],
+            **_spread_logs(stats),
         }
 
     def first_skip(self):
@@ -421,6 +423,7 @@ class UpdateEngine:
         # (stored + 1, so that 0 means none) and its samples.
         first = skipped * tf.cast(tf.equal(new["skipped_in_epoch"], 0.0), tf.float64)
         samples = tf.cast(samples, tf.float64)
+        new.update(_spread(new, applied, grad_norm=norm, samples=samples))
         new.update(
             grad_norm=tf.cast(norm, tf.float64),
             samples_per_update=samples,
@@ -450,8 +453,45 @@ _STATS = (
     "skipped_in_epoch",
     "first_skip",
     "first_skip_samples",
+    # The epoch's applied updates: min, sum and max of their gradient norm
+    # and of their samples.
+    "grad_norm_min",
+    "grad_norm_sum",
+    "grad_norm_max",
+    "samples_min",
+    "samples_sum",
+    "samples_max",
 )
-_KEPT_ACROSS_EPOCHS = [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+_KEPT_ACROSS_EPOCHS = [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0] + [0.0] * 6
+
+
+def _spread(stats, applied, **values):
+    """The stats' min, sum and max of each value, updated when `applied` is 1.
+
+    `stats` holds the values before this update; a skipped update (whose norm
+    is not finite) leaves them as they are.
+    """
+    first = tf.equal(stats["updates_in_epoch"], 0.0)
+    kept = tf.equal(applied, 0.0)
+    new = {}
+    for name, value in values.items():
+        low, total, high = (stats[f"{name}_{part}"] for part in ("min", "sum", "max"))
+        value = tf.cast(value, total.dtype)
+        new[f"{name}_min"] = tf.where(kept, low, tf.where(first, value, tf.minimum(low, value)))
+        new[f"{name}_sum"] = tf.where(kept, total, total + value)
+        new[f"{name}_max"] = tf.where(kept, high, tf.where(first, value, tf.maximum(high, value)))
+    return new
+
+
+def _spread_logs(stats):
+    """`grad_norm_min`, `_mean`, `_max` and `samples_per_update_min`, `_mean`, `_max`."""
+    updates = stats[_STATS.index("updates_in_epoch")]
+    logs = {}
+    for name, stat in (("grad_norm", "grad_norm"), ("samples_per_update", "samples")):
+        logs[f"{name}_min"] = stats[_STATS.index(f"{stat}_min")]
+        logs[f"{name}_mean"] = tf.math.divide_no_nan(stats[_STATS.index(f"{stat}_sum")], updates)
+        logs[f"{name}_max"] = stats[_STATS.index(f"{stat}_max")]
+    return logs
 
 
 def _grow_loss_scale(optimizer):

@@ -24,9 +24,9 @@ from keras_safe_dist.findings import SEVERITIES
 from keras_safe_dist.findings import AuditReport
 from keras_safe_dist.findings import Finding
 from keras_safe_dist.findings import markdown_row
+from keras_safe_dist.statistics import LOG_NAMES
 from keras_safe_dist.statistics import PREFIX
 from keras_safe_dist.statistics import RUN as DASHBOARD_RUN
-from keras_safe_dist.statistics import STATISTICS
 
 __all__ = ["LogDirReport", "RunStatistics", "UnreadableFile", "format_text", "read_log_dir"]
 
@@ -342,7 +342,7 @@ def _run_statistics(paths, warnings):
     `epoch_<name>` (keras.callbacks.TensorBoard's) for the same statistic.
     """
     series = {}  # tag: [value, ...]
-    tags = {f"{PREFIX}/{n}" for n in STATISTICS} | {f"epoch_{n}" for n in STATISTICS}
+    tags = {f"{PREFIX}/{n}" for n in LOG_NAMES} | {f"epoch_{n}" for n in LOG_NAMES}
     for path in paths:
         try:
             for event in _events(path):
@@ -353,7 +353,7 @@ def _run_statistics(paths, warnings):
             # A DecodeError is a ValueError.
             warnings.append(UnreadableFile(path, f"event file damaged, read up to it: {error}"))
     values = {}
-    for name in STATISTICS:
+    for name in LOG_NAMES:
         for tag in (f"{PREFIX}/{name}", f"epoch_{name}"):
             if tag in series:
                 values[name] = series[tag]

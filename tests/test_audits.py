@@ -1,5 +1,7 @@
 """Each finding code of the static audits: triggered, and silent when set up right."""
 
+import inspect
+
 import keras
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import keras_safe_dist
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist.audits import CreationWatch
 from keras_safe_dist.audits import aggregation_findings
+from keras_safe_dist.audits import created_at
 from keras_safe_dist.audits import current_scope_findings
 from keras_safe_dist.audits import scope_findings
 
@@ -165,7 +168,11 @@ def test_scope_findings_name_each_misplaced_object():
     ]
     assert findings[0].message.startswith("2 of 2 variables belong to no strategy")
     assert "MirroredStrategy with 2 replicas" in findings[0].message
-    assert findings[0].fix == "Move the line that builds model 'outside' into `with strategy.scope():`."
+    built = line_of(test_scope_findings_name_each_misplaced_object, 'keras.layers.Dense(1)(inputs), name="outside"')
+    assert findings[0].fix == (
+        "Move the line that builds model 'outside' (built at test_audits.py:"
+        f"{built} in test_scope_findings_name_each_misplaced_object) into `with strategy.scope():`."
+    )
 
 
 def test_loss_scale_built_outside_the_scope():
@@ -232,6 +239,51 @@ def test_compile_refuses_a_model_built_outside_the_scope_naming_its_line():
     assert "[SCOPE001] model 'safe': 2 of 2 variables belong to no strategy" in message
     assert "(built at test_audits.py:" in message and "in safe_model)" in message
     assert [f.code for f in raised.value.findings] == ["SCOPE001"]
+
+
+def line_of(function, text):
+    """The line number of the first line of `function` that holds `text`."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def two_layers():
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, name="hidden")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden), name="base")
+
+
+def test_scope_error_names_the_lines_that_built_the_layers_of_a_wrapped_model():
+    # Built outside, wrapped inside the scope: the wrapping line is not the
+    # one to move.
+    base = two_layers()
+    with pytest.raises(keras_safe_dist.ScopeError) as raised:
+        with mirrored_strategy().scope():
+            model = SafeDistributedModel(inputs=base.inputs, outputs=base.outputs, name="wrapped")
+            model.compile(optimizer="sgd", loss="mse")
+    hidden = line_of(two_layers, 'name="hidden"')
+    out = line_of(two_layers, 'name="out"')
+    wrapped = line_of(test_scope_error_names_the_lines_that_built_the_layers_of_a_wrapped_model, 'name="wrapped"')
+    (finding,) = raised.value.findings
+    assert finding.code == "SCOPE001" and finding.message.startswith("4 of 4 variables belong to no strategy")
+    assert finding.fix == (
+        f"Move the lines that build model 'wrapped' (built at test_audits.py:{hidden} in two_layers, "
+        f"test_audits.py:{out} in two_layers) into `with strategy.scope():`: its variables were "
+        f"created there, not where the model was made (test_audits.py:{wrapped} in "
+        "test_scope_error_names_the_lines_that_built_the_layers_of_a_wrapped_model)."
+    )
+    assert f"Fix: {finding.fix}" in str(raised.value)
+
+
+def test_created_at_names_the_line_that_created_a_variable():
+    dense = keras.layers.Dense(1)
+    dense.build((None, 3))
+    built = line_of(test_created_at_names_the_line_that_created_a_variable, "dense.build(")
+    expected = f"test_audits.py:{built} in test_created_at_names_the_line_that_created_a_variable"
+    assert created_at(dense.kernel) == created_at(dense.bias) == expected
+    with mirrored_strategy().scope():
+        mirrored = keras.Variable(1.0)  # its first copy carries the site
+    assert created_at(mirrored).startswith("test_audits.py:")
 
 
 def test_compile_refuses_an_optimizer_or_metric_built_outside_the_scope():

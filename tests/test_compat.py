@@ -281,3 +281,69 @@ def test_synchronized_moments_function_keeps_its_signature_and_result():
     np.testing.assert_allclose(kept[1], x.numpy().var(0), rtol=1e-4)
     np.testing.assert_allclose(dropped[0], x.numpy()[:4].mean(0), rtol=1e-5)
     np.testing.assert_allclose(dropped[1], x.numpy()[:4].var(0), rtol=1e-4)
+
+
+def test_optional_carried_by_a_while_loop_takes_its_spec_once_traced():
+    # The multi-step function carries its logs so, tracing the step once.
+    @tf.function(autograph=False)
+    def last_square(limit):
+        empty = tf.experimental.Optional.empty(None)
+
+        def body(i, outputs):
+            value = tf.experimental.Optional.from_value({"square": i * i})
+            _compat.set_optional_spec(empty, value.element_spec)
+            return i + 1, value
+
+        _, outputs = tf.while_loop(lambda i, outputs: i < limit, body, (tf.constant(0), empty))
+        _compat.set_optional_spec(outputs, empty.element_spec)
+        return outputs
+
+    assert int(last_square(tf.constant(4)).get_value()["square"]) == 9
+    assert not bool(last_square(tf.constant(0)).has_value())
+
+
+def counting(base):
+    class Counted(base):
+        traces = 0
+
+        def train_step(self, data):
+            type(self).traces += 1  # at trace time: once per replica per trace
+            return super().train_step(data)
+
+    return Counted
+
+
+def train_step_traces(base, replicas, callbacks=(), **compile_options):
+    model_class = counting(base)
+    with strategy_for(replicas).scope():
+        inputs = keras.Input((4,))
+        model = model_class(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse", **compile_options)
+    x = np.random.default_rng(0).normal(size=(44, 4)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, callbacks=list(callbacks))
+    return model_class.traces
+
+
+def test_several_steps_per_execution_trace_the_step_as_often_as_stock(replicas):
+    # Stock Keras cannot run steps_per_execution=4 on two replicas; its one-step
+    # function traces the step once per replica (and once per input signature).
+    stock = train_step_traces(keras.Model, replicas)
+    assert stock == replicas
+    assert train_step_traces(SafeDistributedModel, replicas, steps_per_execution=4) == stock
+    # With a NaNOnsetDetector an execution can end early: the loop runs on one
+    # replica too.
+    from keras_safe_dist.callbacks import NaNOnsetDetector
+
+    detected = train_step_traces(
+        SafeDistributedModel, replicas, [NaNOnsetDetector()], steps_per_execution=4
+    )
+    assert detected == stock
+
+
+def test_variable_creator_scopes_are_counted_on_this_thread():
+    outside = _compat.variable_creator_count()
+    with tf.variable_creator_scope(lambda next_creator, **kwargs: next_creator(**kwargs)):
+        assert _compat.variable_creator_count() == outside + 1
+        with strategy_for(2).scope():
+            assert _compat.variable_creator_count() >= outside + 2
+    assert _compat.variable_creator_count() == outside

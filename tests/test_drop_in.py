@@ -15,7 +15,11 @@ from conftest import regression_data
 from conftest import relative_error
 from conftest import strategy_for
 
-UPDATE_STATS = {"grad_norm", "clip_rate", "skipped_updates", "samples_per_update"}
+UPDATE_STATS = {
+    "grad_norm", "clip_rate", "skipped_updates", "samples_per_update",
+    "grad_norm_min", "grad_norm_mean", "grad_norm_max",
+    "samples_per_update_min", "samples_per_update_mean", "samples_per_update_max",
+}
 
 
 def build(model_class, replicas=1, seed=4, **options):

@@ -118,7 +118,11 @@ def test_report_json_and_fail_on_levels(tmp_path, capsys):
     (run,) = data["runs"]
     assert run["run"] == "safe_distributed"
     stats = run["statistics"]
-    assert set(stats) == {"grad_norm", "clip_rate", "skipped_updates", "samples_per_update"}
+    assert set(stats) == {
+        "grad_norm", "clip_rate", "skipped_updates", "samples_per_update",
+        "grad_norm_min", "grad_norm_mean", "grad_norm_max",
+        "samples_per_update_min", "samples_per_update_mean", "samples_per_update_max",
+    }
     assert stats["grad_norm"]["last"] == pytest.approx(history["grad_norm"][-1], rel=1e-6)
     assert stats["samples_per_update"]["max"] == pytest.approx(max(history["samples_per_update"]), rel=1e-6)
     code, out, _ = run_cli(capsys, str(tmp_path), "--fail-on", "warning")
@@ -183,8 +187,8 @@ def test_dashboard_writes_its_layout_once_per_run_and_the_statistics(tmp_path):
     (category,) = layout.category
     assert category.title == "safe distributed training"
     assert [c.multiline.tag[0] for c in category.chart] == [
-        "^safe_distributed/grad_norm$", "^safe_distributed/clip_rate$",
-        "^safe_distributed/skipped_updates$", "^safe_distributed/samples_per_update$",
+        "^safe_distributed/grad_norm(_min|_mean|_max)?$", "^safe_distributed/clip_rate$",
+        "^safe_distributed/skipped_updates$", "^safe_distributed/samples_per_update(_min|_mean|_max)?$",
     ]
     logged = events.Tensors("safe_distributed/samples_per_update")
     assert [e.step for e in logged] == [0, 1, 2]

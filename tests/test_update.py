@@ -225,3 +225,42 @@ def test_healthy_fit_and_loss_scale_overflows_do_not_warn():
         history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
     assert history["skipped_updates"][0] > 0  # overflows of the initial scale
     assert not [w for w in caught if "skipped a non-finite update" in str(w.message)]
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["healthy", "one_skipped"])
+def test_epoch_spread_of_grad_norm_and_samples_covers_every_applied_update(replicas, skip):
+    # 500 samples, micro-batches of 32, groups of 3: five groups of 96 and a
+    # last group of 20. The plain statistics hold the last update only.
+    x, y, _ = regression_data(500)
+    if skip:
+        y[100] = np.nan  # in the second group: that update is skipped
+    steps, batch = 3, 32
+    with strategy_for(replicas).scope():
+        inputs = keras.Input((4,))
+        model = SafeDistributedModel(
+            inputs, keras.layers.Dense(1)(inputs), gradient_accumulation_steps=steps, log_update_stats=True
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # fixed weights
+    history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0).history
+    # Each group's samples and gradient norm, on one device from the data.
+    size = steps * batch
+    groups = [slice(start, min(start + size, len(x))) for start in range(0, len(x), size)]
+    applied = [g for g in groups if np.isfinite(y[g]).all()]
+    samples = [g.stop - g.start for g in applied]
+    norms = []
+    for g in applied:
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y[g], model(x[g]))
+            loss = tf.reduce_mean(loss)
+        norms.append(float(tf.linalg.global_norm(tape.gradient(loss, model.trainable_weights))))
+    assert samples[-1] == 20 and max(samples) == 96
+    for epoch in range(2):  # the spread starts again each epoch
+        assert history["samples_per_update"][epoch] == 20
+        assert history["samples_per_update_min"][epoch] == min(samples)
+        assert history["samples_per_update_max"][epoch] == max(samples)
+        assert history["samples_per_update_mean"][epoch] == pytest.approx(np.mean(samples), rel=1e-6)
+        assert history["grad_norm"][epoch] == pytest.approx(norms[-1], rel=1e-5)
+        assert history["grad_norm_min"][epoch] == pytest.approx(min(norms), rel=1e-5)
+        assert history["grad_norm_max"][epoch] == pytest.approx(max(norms), rel=1e-5)
+        assert history["grad_norm_mean"][epoch] == pytest.approx(np.mean(norms), rel=1e-5)
+        assert history["skipped_updates"][epoch] == (epoch + 1 if skip else 0)

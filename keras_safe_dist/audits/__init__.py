@@ -7,6 +7,7 @@ from keras_safe_dist.audits.aggregation import aggregation_findings
 from keras_safe_dist.audits.scope import CreationWatch
 from keras_safe_dist.audits.scope import ScopeError
 from keras_safe_dist.audits.scope import check_scope
+from keras_safe_dist.audits.scope import created_at
 from keras_safe_dist.audits.scope import creation_site
 from keras_safe_dist.audits.scope import current_scope_findings
 from keras_safe_dist.audits.scope import scope_findings
@@ -22,6 +23,7 @@ __all__ = [
     "aggregation_findings",
     "audit",
     "check_scope",
+    "created_at",
     "creation_site",
     "current_scope_findings",
     "frozen_batch_norm_findings",

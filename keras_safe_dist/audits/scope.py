@@ -30,6 +30,7 @@ __all__ = [
     "CreationWatch",
     "ScopeError",
     "check_scope",
+    "created_at",
     "creation_site",
     "current_scope_findings",
     "scope_findings",
@@ -110,15 +111,12 @@ def scope_findings(model, strategy=None, optimizer=None, metrics=()):
     strategy = training_strategy(model, strategy)
     optimizer = optimizer or getattr(model, "optimizer", None)
     findings = []
-    built_at = getattr(model, "_safe_dist_built_at", None)
-    at = f" (built at {built_at})" if built_at else ""
     groups = [
         (
             "SCOPE001",
             f"model '{model.name}'",
             model.variables,
-            f"Move the line that builds model '{model.name}'{at} into "
-            "`with strategy.scope():`.",
+            _model_fix(model, strategy),
         )
     ]
     if optimizer is not None:
@@ -160,6 +158,37 @@ def scope_findings(model, strategy=None, optimizer=None, metrics=()):
         if finding is not None:
             findings.append(finding)
     return findings
+
+
+def _model_fix(model, strategy):
+    """Move the lines that created the model's misplaced variables.
+
+    Those lines come from the sites recorded when the variables were created
+    (`created_at`). A model that wraps layers built earlier
+    (`SafeDistributedModel(inputs=m.inputs, outputs=m.outputs)`) was made
+    elsewhere: moving that line into the scope is not enough, and the fix
+    says so. Without a recorded site, the line that made the model.
+
+    Args:
+        model: the `keras.Model` checked.
+        strategy: the training strategy.
+
+    Returns:
+        The fix, one sentence.
+    """
+    made_at = getattr(model, "_safe_dist_built_at", None)
+    wrong = [v for v in model.variables if not _variables.belongs_to(v, strategy)]
+    sites = list(dict.fromkeys(s for s in map(created_at, wrong) if s is not None))
+    if not sites:
+        sites = [made_at] if made_at else []
+    if not sites:
+        return f"Move the line that builds model '{model.name}' into `with strategy.scope():`."
+    shown = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
+    lines = "lines that build" if len(sites) > 1 else "line that builds"
+    fix = f"Move the {lines} model '{model.name}' (built at {shown}) into `with strategy.scope():`"
+    if made_at and made_at not in sites:
+        fix += f": its variables were created there, not where the model was made ({made_at})"
+    return fix + "."
 
 
 def _misplaced(code, subject, variables, strategy, fix):
@@ -420,6 +449,68 @@ def _held_as(owner):
     return f"it belongs to another {describe_strategy(owner)}."
 
 
+# Where each variable was created, recorded as TensorFlow creates it: a
+# variable creator scope that the importing thread enters for good when the
+# package is imported. It records, and changes nothing. A model built outside
+# the scope is often wrapped inside it, so only this tells its lines.
+_SITE = "_keras_safe_dist_created_at"
+
+
+def created_at(variable):
+    """Where `variable` was created, as `creation_site()` put it, or None.
+
+    Known for the variables created, after keras_safe_dist was imported, on
+    the thread that imported it (outside any other variable creator scope).
+
+    Args:
+        variable: a Keras or TensorFlow variable, possibly distributed.
+
+    Returns:
+        A str, `"file.py:12 in make_model"`, or None when not recorded.
+
+    Example:
+
+    ```python
+    inputs = keras.Input((3,))
+    dense = keras.layers.Dense(1)
+    outputs = dense(inputs)  # creates the variables
+    print(created_at(dense.kernel))  # train.py:3 in <module>
+    ```
+    """
+    value = _variables.tf_variable(variable)
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = value.values[0]
+    return getattr(value, _SITE, None)
+
+
+def _record_site(next_creator, **kwargs):
+    variable = next_creator(**kwargs)
+    site = creation_site()
+    if site != _UNKNOWN:
+        try:
+            setattr(variable, _SITE, site)
+        except AttributeError:  # a variable type without a __dict__
+            pass
+    return variable
+
+
+def _record_creation_sites():
+    """Enters the recording creator scope on this thread, once; returns it or None.
+
+    Not inside another creator scope (such as a strategy's): TensorFlow checks
+    that creator scopes exit in the order they were entered, and that outer
+    scope would exit before this one.
+    """
+    if _compat.variable_creator_count() > 0:
+        return None
+    scope = tf.variable_creator_scope(_record_site)
+    scope.__enter__()
+    return scope
+
+
+_UNKNOWN = "unknown code"
+
+
 def creation_site():
     """`"file.py:12 in MyCallback.on_train_begin"` for the innermost user frame.
 
@@ -449,4 +540,8 @@ def creation_site():
                 function = f"{type(owner).__name__}.{function}"
             return f"{os.path.basename(filename)}:{frame.f_lineno} in {function}"
         frame = frame.f_back
-    return "unknown code"
+    return _UNKNOWN
+
+
+# Held for good: a collected scope would exit.
+_SITE_SCOPE = _record_creation_sites()

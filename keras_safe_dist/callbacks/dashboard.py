@@ -9,8 +9,10 @@ from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from keras_safe_dist import _validate
 from keras_safe_dist.distributed import is_chief
+from keras_safe_dist.statistics import LOG_NAMES
 from keras_safe_dist.statistics import PREFIX
 from keras_safe_dist.statistics import RUN
+from keras_safe_dist.statistics import SPREAD
 from keras_safe_dist.statistics import STATISTICS
 
 __all__ = ["Dashboard", "DASHBOARD_TITLE", "STATISTICS", "layout"]
@@ -22,17 +24,22 @@ def layout():
     """The custom-scalars layout: one category, a chart per statistic.
 
     Each chart shows this callback's `safe_distributed/<name>` and the
-    `epoch_<name>` that `keras.callbacks.TensorBoard` logs for the same value.
+    `epoch_<name>` that `keras.callbacks.TensorBoard` logs for the same value;
+    the gradient norm and samples per update charts also show the epoch's
+    min, mean and max over its updates (`<name>_min`, `_mean`, `_max`).
     """
-    charts = [
-        layout_pb2.Chart(
-            title=title,
-            multiline=layout_pb2.MultilineChartContent(
-                tag=[rf"^{PREFIX}/{name}$", rf"^epoch_{name}$"]
-            ),
+    charts = []
+    for name, title in STATISTICS.items():
+        parts = SPREAD.get(name)
+        suffix = f"(_{'|_'.join(parts)})?" if parts else ""
+        charts.append(
+            layout_pb2.Chart(
+                title=title,
+                multiline=layout_pb2.MultilineChartContent(
+                    tag=[rf"^{PREFIX}/{name}{suffix}$", rf"^epoch_{name}{suffix}$"]
+                ),
+            )
         )
-        for name, title in STATISTICS.items()
-    ]
     return layout_pb2.Layout(
         category=[layout_pb2.Category(title=DASHBOARD_TITLE, chart=charts)]
     )
@@ -44,7 +51,10 @@ class Dashboard(keras.callbacks.Callback):
     At train begin it writes TensorBoard's custom-scalars layout (once per
     run) grouping gradient norm, clip rate, skipped updates and samples per
     update; at each epoch end it writes those values from the epoch logs of a
-    `SafeDistributedModel` as `safe_distributed/<name>` scalars. It reads only
+    `SafeDistributedModel` as `safe_distributed/<name>` scalars. The epoch's
+    last update is `<name>`; for the gradient norm and the samples per update
+    the epoch's min, mean and max over its applied updates are
+    `<name>_min`, `<name>_mean` and `<name>_max`, on the same chart. It reads only
     the logs Keras already computed (no extra host sync) and has no batch
     hook. With a plain `keras.Model`, whose logs lack these values, only the
     layout is written. Only the chief writes.
@@ -111,7 +121,7 @@ class Dashboard(keras.callbacks.Callback):
         if self._writer is None:
             return
         with self._writer.as_default():
-            for name in STATISTICS:
+            for name in LOG_NAMES:
                 if name in logs:
                     tf.summary.scalar(f"{PREFIX}/{name}", float(logs[name]), step=epoch)
         self._writer.flush()

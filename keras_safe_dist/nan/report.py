@@ -10,12 +10,24 @@ from keras_safe_dist.distributed import is_chief
 from keras_safe_dist.findings import Finding
 from keras_safe_dist.findings import markdown_row
 
-__all__ = ["KINDS", "PLAIN_MODEL_NOTE", "finish", "paragraph", "skips_finding", "write"]
+__all__ = [
+    "KINDS",
+    "PLAIN_FIXES",
+    "PLAIN_MODEL_NOTE",
+    "finish",
+    "fix_for",
+    "paragraph",
+    "skips_finding",
+    "write",
+]
 
 REPORT_FILE = "nan_onset.json"
 BATCH_FILE = "nan_onset_batch.npz"
 TAG = "nan_onset"
 
+# kind: (what happened, a fix that can repair that kind). Clipping and a lower
+# learning rate act on finite gradients only: they are offered where the
+# gradients were finite, never for a NaN or inf gradient.
 KINDS = {
     "inputs": (
         "a non-finite value in the inputs (x, y or sample_weight)",
@@ -25,22 +37,46 @@ KINDS = {
     "loss": (
         "a non-finite loss from finite inputs and finite layer outputs",
         "Guard the loss function against this batch (log of 0, division by 0): add an "
-        "epsilon or clip its inputs.",
+        "epsilon or clip its inputs, or pass from_logits=True to a built-in loss given "
+        "logits.",
     ),
     "activations": (
         "a layer output that is non-finite although the layer's inputs are finite",
-        "Guard that layer's computation (epsilon, clipping, a stable formulation) or "
-        "lower the learning rate.",
+        "Guard that layer's computation (an epsilon under a log, sqrt or division, a "
+        "stable formulation such as log-sum-exp); if its weights grew large over "
+        "training, lower the learning rate; in float16, compute that layer in float32 "
+        '(dtype="float32").',
     ),
     "gradients": (
         "non-finite gradients from a finite loss",
-        "Guard the backward pass of the listed variables' ops (sqrt or log near 0) or "
-        "clip gradients with global_clipnorm.",
+        "An op behind the listed variables has an infinite derivative at this batch's "
+        "values (sqrt, pow with an exponent below 1 or a norm at 0; a log or division "
+        "of 0 hidden by tf.where): make it safe where it is computed, e.g. sqrt(x + "
+        "epsilon), or apply the where to the op's input too. Clipping and a lower "
+        "learning rate cannot repair a NaN or inf gradient; in float16 without loss "
+        "scaling, wrap the optimizer in keras.optimizers.LossScaleOptimizer.",
     ),
     "weights": (
         "weights that became non-finite in this batch's update",
         "Lower the learning rate or clip gradients with global_clipnorm: the update "
-        "overflowed.",
+        "overflowed the weights.",
+    ),
+}
+
+# A plain keras.Model's report is built from the logged loss and the weights
+# only: its kinds do not say which computation failed, nor whether the
+# gradients were finite (stock Keras applies non-finite ones).
+PLAIN_FIXES = {
+    "loss": (
+        "Train with keras_safe_dist.SafeDistributedModel and this detector to learn "
+        "whether the inputs, a layer, the loss or the gradients turned non-finite, "
+        "and apply the fix its report gives for that kind."
+    ),
+    "weights": (
+        "If the update's gradients were non-finite (a plain keras.Model applies them), "
+        "use keras_safe_dist.SafeDistributedModel, which skips such updates, and this "
+        "detector to find the op; if they were finite, lower the learning rate or clip "
+        "gradients with global_clipnorm."
     ),
 }
 
@@ -66,7 +102,7 @@ _ACTIONS = {
 
 def finish(report, action, max_consecutive_skips):
     """Adds the finding, the action taken and the paragraph to `report`."""
-    what, fix = KINDS[report["kind"]]
+    what, fix = KINDS[report["kind"]][0], fix_for(report)
     subject = report["layer"] or (report["variables"] or [report["kind"]])[0]
     message = f"{what} at epoch {report['epoch']}, batch {report['batch']}"
     report["finding"] = Finding.of("NAN001", subject, message, fix).to_dict()
@@ -77,9 +113,26 @@ def finish(report, action, max_consecutive_skips):
     return report
 
 
+def fix_for(report):
+    """The fix the report gives: one that can repair its kind.
+
+    Args:
+        report: the report, with its `kind` and whether the model was
+            `localized` (a `SafeDistributedModel`; a plain `keras.Model`'s
+            kinds come from the logged loss alone).
+
+    Returns:
+        A str of one or two sentences.
+    """
+    kind = report["kind"]
+    if not report.get("localized", True) and kind in PLAIN_FIXES:
+        return PLAIN_FIXES[kind]
+    return KINDS[kind][1]
+
+
 def paragraph(report):
     """One readable paragraph describing the onset."""
-    what, fix = KINDS[report["kind"]]
+    what, fix = KINDS[report["kind"]][0], fix_for(report)
     where = f"epoch {report['epoch']}, batch {report['batch']}"
     if report["replicas"]:
         where += f", replica {', '.join(str(r) for r in report['replicas'])}"
