@@ -218,6 +218,59 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         )
         return model
 
+    @classmethod
+    def from_model(cls, model, *, input_shape=None, **options):
+        """A `SafeDistributedModel` with the layers and weights of `model`.
+
+        Takes a `keras.Sequential` (with an `Input`, or built, or unbuilt
+        given `input_shape`) or a functional `keras.Model`, and returns a
+        functional `SafeDistributedModel` over the same layer objects: the
+        same variables, so the same predictions, and training it trains
+        `model`'s layers. Neither the compile state nor the optimizer is
+        copied: compile the result, giving `SafeDistributedModel` the
+        clipping or accumulation the optimizer had. Call it in the scope
+        of the strategy that built `model` (or will build it, for an
+        unbuilt Sequential).
+
+        Args:
+            model: a Sequential or functional `keras.Model`.
+            input_shape: the shape of one sample, without the batch
+                dimension (as `keras.Input(shape=...)` takes it), to build a
+                Sequential that has no `Input` and was never built; ignored
+                otherwise unless it differs from the model's.
+            **options: the options of `SafeDistributedModel`
+                (`gradient_accumulation_steps`, `global_clipnorm`, ...).
+
+        Returns:
+            A `SafeDistributedModel` (a `SafeDistributedFunctional`) named
+            as `model`.
+
+        Raises:
+            TypeError: when `model` is not a `keras.Model`, or is a
+                subclassed model (subclass `SafeDistributedModel` instead).
+            ValueError: for an unbuilt Sequential without `input_shape`, an
+                `input_shape` that differs from the model's, or an invalid
+                option.
+            ScopeError: when called inside a strategy's scope while the
+                model's variables were built outside it.
+
+        Example:
+
+        ```python
+        with strategy.scope():
+            sequential = keras.Sequential([keras.layers.Dense(32), keras.layers.Dense(1)])
+            model = SafeDistributedModel.from_model(
+                sequential, input_shape=(8,), global_clipnorm=1.0
+            )
+            model.compile(optimizer="adam", loss="mse")
+        ```
+        """
+        inputs, outputs = _model_graph(model, input_shape)
+        wrapped = cls(inputs=inputs, outputs=outputs, name=model.name, **options)
+        if tf.distribute.has_strategy():
+            _scope.check_scope("SafeDistributedModel.from_model()", wrapped)
+        return wrapped
+
     def compile(self, *args, **kwargs):
         """Same as `keras.Model.compile`, refusing what cannot work distributed.
 
@@ -795,6 +848,56 @@ def _check_optimizer(optimizer):
                     f"SafeDistributedModel(...) instead and leave it unset on "
                     f"the optimizer. Received optimizer: {candidate.name}"
                 )
+
+
+def _model_graph(model, input_shape):
+    """`(inputs, outputs)` of a Sequential or functional `model`, built if needed."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "SafeDistributedModel.from_model() takes a keras.Model (a Sequential "
+            f"or functional model). Received: {type(model).__name__} {model!r}"
+        )
+    if isinstance(model, keras.Sequential) and input_shape is not None:
+        shape = (None, *tuple(input_shape))
+        if not model.built or not _has_inputs(model):
+            model.build(shape)
+        built = tuple(model.inputs[0].shape)
+        if len(built) != len(shape) or any(
+            a is not None and b is not None and a != b for a, b in zip(built, shape)
+        ):
+            raise ValueError(
+                f"`input_shape` must match the shape model '{model.name}' was "
+                f"built with, {built[1:]} per sample. Received: "
+                f"input_shape={tuple(input_shape)}"
+            )
+    if isinstance(model, keras.Sequential) and not _has_inputs(model):
+        raise ValueError(
+            f"SafeDistributedModel.from_model() needs the input shape of "
+            f"Sequential model '{model.name}', which has no `Input` and was "
+            "never built. Pass the shape of one sample, e.g. "
+            "`SafeDistributedModel.from_model(model, input_shape=(8,))`, start "
+            "the Sequential with `keras.Input((8,))`, or call "
+            "`model.build((None, 8))` first."
+        )
+    inputs = _has_inputs(model) and model.inputs
+    outputs = inputs and model.outputs
+    if not inputs or not outputs:
+        raise TypeError(
+            "SafeDistributedModel.from_model() takes a Sequential or functional "
+            "model, whose inputs and outputs it reuses. Received: a subclassed "
+            f"model of class {type(model).__name__}, which has none. Subclass "
+            "SafeDistributedModel instead of keras.Model (its `call()` stays "
+            "the same)."
+        )
+    return inputs, outputs
+
+
+def _has_inputs(model):
+    """Whether `model` has symbolic inputs (a Sequential gets them when built)."""
+    try:
+        return bool(model.inputs)
+    except AttributeError:
+        return False
 
 
 def _fit_data(args, kwargs):

@@ -106,6 +106,95 @@ def test_wraps_a_sequential_model():
     assert len(model.trainable_weights) == 2
 
 
+
+def _sequential_with_input():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+
+
+def _sequential_built():
+    model = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.build((None, 4))
+    return model
+
+
+def _sequential_unbuilt():
+    return keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(1)])
+
+
+def _functional_stock():
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(3)(inputs)))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_sequential_with_input, _sequential_built, _sequential_unbuilt, _functional_stock],
+    ids=["sequential-input", "sequential-built", "sequential-unbuilt", "functional"],
+)
+def test_from_model_keeps_layers_weights_predictions_and_options(build):
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype("float32")
+    original = build()
+    shape = (4,) if build is _sequential_unbuilt else None
+    model = SafeDistributedModel.from_model(
+        original, input_shape=shape, gradient_accumulation_steps=2, global_clipnorm=1.5
+    )
+    assert isinstance(model, SafeDistributedFunctional)
+    assert (model.gradient_accumulation_steps, model.global_clipnorm) == (2, 1.5)
+    assert model.name == original.name
+    assert [id(v) for v in model.weights] == [id(v) for v in original.weights]
+    np.testing.assert_array_equal(
+        model.predict(x, verbose=0), original.predict(x, verbose=0)
+    )
+
+
+def test_from_model_trains_the_original_layers_under_a_strategy():
+    strategy = strategy_for(2)
+    x, y, _ = regression_data(8)
+    with strategy.scope():
+        original = keras.Sequential([keras.layers.Dense(1)])
+        model = SafeDistributedModel.from_model(original, input_shape=(4,), clipnorm=1.0)
+        model.compile(optimizer="sgd", loss="mse")
+    before = original.get_weights()[0].copy()
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert isinstance(original.weights[0].value, tf.distribute.DistributedValues)
+    assert not np.allclose(original.get_weights()[0], before)
+
+
+def test_from_model_refuses_an_unbuilt_sequential_without_a_shape():
+    with pytest.raises(ValueError, match=r"has no `Input` and was never built\. Pass the shape of one sample, e\.g\. `SafeDistributedModel\.from_model\(model, input_shape=\(8,\)\)`"):
+        SafeDistributedModel.from_model(_sequential_unbuilt())
+
+
+def test_from_model_refuses_an_input_shape_that_differs_from_the_model():
+    with pytest.raises(ValueError, match=r"`input_shape` must match .* \(4,\) per sample\. Received: input_shape=\(5,\)"):
+        SafeDistributedModel.from_model(_sequential_with_input(), input_shape=(5,))
+
+
+@pytest.mark.parametrize(
+    "received,message",
+    [
+        ("model.keras", "takes a keras.Model .* Received: str 'model.keras'"),
+        (TwoLayer, "Received: a subclassed model of class TwoLayer, which has none. Subclass SafeDistributedModel"),
+    ],
+    ids=["not-a-model", "subclassed"],
+)
+def test_from_model_refuses_what_it_cannot_wrap_naming_it(received, message):
+    if received is TwoLayer:
+        received = TwoLayer()
+        received(np.zeros((1, 4), "float32"))
+    with pytest.raises(TypeError, match=message):
+        SafeDistributedModel.from_model(received)
+
+
+def test_from_model_in_a_scope_on_a_model_built_outside_raises_scope_error():
+    from keras_safe_dist import ScopeError
+
+    original = _sequential_with_input()
+    with strategy_for(2).scope():
+        with pytest.raises(ScopeError, match=r"\[SCOPE001\] model '.*': 4 of 4 variables belong to no strategy"):
+            SafeDistributedModel.from_model(original)
+
+
 @pytest.mark.parametrize("build", [functional, TwoLayer], ids=["functional", "subclassed"])
 def test_save_and_load_round_trip(tmp_path, build):
     x, y, _ = regression_data(16)
