@@ -424,3 +424,18 @@ def test_a_nan_onset_json_not_of_the_projects_shape_is_named_with_exit_2(tmp_pat
     assert "NAN001" not in out
     assert f"keras-safe-dist report: cannot read {tmp_path / 'nan_onset.json'}: " in err
     assert problem in err
+
+
+def test_report_fails_a_stock_model_clipping_per_replica_and_says_it_logs_no_statistics(tmp_path, capsys):
+    with strategy_for(2).scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(global_clipnorm=1.0), loss="mse")
+    audit = callbacks.AggregationAudit(log_dir=str(tmp_path), on_finding="ignore")
+    with pytest.warns(UserWarning, match="Dashboard writes the update statistics .* of a SafeDistributedModel; model '.*' is a Sequential") as caught:
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[audit, callbacks.Dashboard(str(tmp_path))])
+    assert sum("Dashboard writes" in str(w.message) for w in caught) == 1
+    code, out, _ = run_cli(capsys, str(tmp_path), "--fail-on", "warning")
+    assert code == 1
+    assert "| aggregation | DIST001 | error | optimizer '" in out
+    assert "Update statistics per run:\nnone logged: the update statistics come from a SafeDistributedModel" in out
+    assert out.rstrip().endswith("1 finding(s) at or above 'warning': failing.")
