@@ -12,6 +12,7 @@ from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import _shares
 from keras_safe_dist import _validate
+from keras_safe_dist import _warnings
 from keras_safe_dist import _xla
 from keras_safe_dist import nan
 from keras_safe_dist._update import UpdateEngine
@@ -188,6 +189,49 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         # train_on_batch() builds it, and a new UpdateEngine, again.
         self.train_function = None
         self._update_engine = None
+
+    @property
+    def replica_jit_compile(self):
+        """Whether each replica's forward and backward pass runs under XLA.
+
+        `compile(jit_compile=True)` on several replicas (or on one device for
+        a model whose Embedding rows are kept across accumulated
+        micro-batches) compiles each replica's pass with XLA and keeps the
+        all-reduce and the update outside it, so Keras's `model.jit_compile`
+        reads False there. This flag reads True while that step is in use:
+        False when `jit_compile` was not True, and from the `fit()` that
+        dropped it (a `NaNOnsetDetector`, or an overridden `compute_loss()`,
+        runs the plain step; a warning says so once). Read-only.
+
+        Example:
+
+        ```python
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        print(model.jit_compile, model.replica_jit_compile)  # False True on 2 replicas
+        ```
+        """
+        return self._xla_replicas and self._xla_dropped_by() is None
+
+    def _xla_dropped_by(self):
+        """What makes the step drop the per-replica XLA pass, or None."""
+        if self._nan_probe is not None:
+            return "a NaNOnsetDetector (its in-step checks run in the plain step)"
+        if _compat.compute_loss_is_overridden(self):
+            return f"the overridden compute_loss() of {type(self).__name__}"
+        return None
+
+    def _warn_if_xla_dropped(self):
+        """Says once per model that jit_compile=True is not applied, and why."""
+        reason = self._xla_dropped_by() if self._xla_replicas else None
+        if reason is None or self.__dict__.get("_xla_drop_warned"):
+            return
+        self.__dict__["_xla_drop_warned"] = True
+        _warnings.warn(
+            f"compile(jit_compile=True) asked for XLA, but with {reason} model "
+            f"'{self.name}' trains with the plain step, without XLA "
+            "(model.replica_jit_compile reads False while it does). Remove "
+            "that to train each replica's pass under XLA."
+        )
 
     def get_config(self):
         config = super().get_config()
@@ -495,6 +539,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         # With several steps per execution, the execution ends at the step
         # the detector reports, so that its batch and weights are still held.
         self._execution_ends = self._nan_probe
+        self._warn_if_xla_dropped()
         try:
             return self._make_train_function(force)
         finally:
@@ -736,7 +781,7 @@ class _EpochBoundary(keras.callbacks.Callback):
         first = engine.first_skip()
         if first is not None:
             self.warned = True
-            warnings.warn(_skip_message(epoch, *first, engine.steps), stacklevel=2)
+            _warnings.warn(_skip_message(epoch, *first, engine.steps))
 
 
 def _skip_message(epoch, update, samples, steps):

@@ -81,6 +81,51 @@ def test_jit_compile_on_two_replicas_compiles_each_replica_and_auto_stays_off():
         assert model.jit_compile is False and model._xla_replicas is False
         model.compile(optimizer="sgd", loss="mse", jit_compile=True)
         assert model.jit_compile is False and model._xla_replicas is True
+        assert model.replica_jit_compile is True
+        model.compile(optimizer="sgd", loss="mse", jit_compile="auto")
+        assert model.replica_jit_compile is False
+    with pytest.raises(AttributeError):
+        model.replica_jit_compile = True
+
+
+def test_replica_jit_compile_on_one_device_for_an_embedding_with_accumulation():
+    tokens = keras.Input((3,), dtype="int32")
+    outputs = keras.layers.Dense(1)(keras.layers.Flatten()(keras.layers.Embedding(10, 2)(tokens)))
+    model = SafeDistributedModel(tokens, outputs, gradient_accumulation_steps=2)
+    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    assert (model.jit_compile, model.replica_jit_compile) == (False, True)
+
+
+def test_xla_dropped_for_a_nan_detector_is_said_once_and_read_as_false():
+    from keras_safe_dist.callbacks import NaNOnsetDetector
+
+    x, y, _ = regression_data(16)
+    with strategy_for(2).scope():
+        model = functional()
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.fit(x, y, batch_size=8, verbose=0, callbacks=[NaNOnsetDetector()])
+    dropped = [w for w in caught if "asked for XLA" in str(w.message)]
+    assert [w.filename for w in dropped] == [__file__]
+    assert str(dropped[0].message).startswith(
+        "compile(jit_compile=True) asked for XLA, but with a NaNOnsetDetector (its in-step "
+        f"checks run in the plain step) model '{model.name}' trains with the plain step, without XLA"
+    )
+    assert model.replica_jit_compile is False
+
+
+def test_replica_jit_compile_is_false_for_an_overridden_compute_loss():
+    class OwnLoss(SafeDistributedModel):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean((y - y_pred) ** 2)
+
+    with strategy_for(2).scope():
+        inputs = keras.Input((4,))
+        model = OwnLoss(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", jit_compile=True)
+    assert model._xla_replicas is True and model.replica_jit_compile is False
 
 
 def test_jit_compile_on_two_replicas_refuses_synchronized_layers():

@@ -7,12 +7,11 @@ its strategy), the size where the configuration gives one, and the
 `SafeDistributedModel`, or a model trained on one replica, gets none.
 """
 
-import warnings
-
 import keras
 import tensorflow as tf
 
 from keras_safe_dist import _compat
+from keras_safe_dist import _warnings
 from keras_safe_dist.audits.aggregation import describe_strategy
 from keras_safe_dist.findings import Finding
 
@@ -85,13 +84,12 @@ def warn_no_update_statistics(model, where):
     """
     if is_safe_model(model):
         return
-    warnings.warn(
+    _warnings.warn(
         f"{where} writes the update statistics (grad_norm, clip_rate, "
         "skipped_updates, samples_per_update) of a SafeDistributedModel; "
         f"model '{model.name}' is a {type(model).__name__}, so only the chart "
         "layout is written. Train `SafeDistributedModel.from_model(model)` "
-        "to see them.",
-        stacklevel=3,
+        "to see them."
     )
 
 
