@@ -54,9 +54,9 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     batch, whatever the number of replicas or how a batch splits across them.
 
     Use it like `keras.Model`: functionally
-    (`SafeDistributedModel(inputs=..., outputs=..., ...)`, which also wraps the
-    inputs and outputs of any Sequential or functional model) or by
-    subclassing and implementing `call()`.
+    (`SafeDistributedModel(inputs=..., outputs=..., ...)`), by subclassing and
+    implementing `call()`, or over an existing Sequential or functional model
+    with `SafeDistributedModel.from_model(model, ...)`.
 
     Args:
         gradient_accumulation_steps: micro-batches per optimizer update. A

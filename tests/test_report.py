@@ -161,6 +161,16 @@ def test_report_refuses_a_missing_or_empty_log_dir(tmp_path, capsys, make):
         assert err.startswith(f"keras-safe-dist report: nothing to report under {log_dir}: no audit_*.json")
 
 
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_report_json_on_nothing_to_read_prints_a_document_with_the_reason(tmp_path, capsys, make):
+    log_dir = tmp_path / "nowhere" if make == "missing" else tmp_path
+    code, out, err = run_cli(capsys, str(log_dir), "--json")
+    assert code == 2
+    document = strict_json(out)
+    assert document == {"log_dir": str(log_dir), "error": err[len("keras-safe-dist report: "):].rstrip("\n"), "failed": None}
+    assert document["error"].startswith("log directory not found" if make == "missing" else "nothing to report under")
+
+
 def test_report_rejects_an_unknown_fail_on(capsys):
     with pytest.raises(SystemExit) as raised:
         cli.main(["report", ".", "--fail-on", "info"])
