@@ -124,7 +124,8 @@ def test_metric_state_that_is_not_replica_local(replicas):
 def test_variable_of_a_distributed_model_that_is_not_distributed():
     strategy = mirrored_strategy()
     with strategy.scope():
-        model = keras.Sequential([keras.layers.Dense(2, name="lazy")])
+        # Named: an earlier test's Sequential would make the default "sequential_1".
+        model = keras.Sequential([keras.layers.Dense(2, name="lazy")], name="sequential")
     model(np.ones((2, 3), "float32"))  # built on first call, outside the scope
     findings, variables = aggregation_findings(model)
     lazy = [f for f in findings if f.code == "AGG005"]
