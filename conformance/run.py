@@ -293,8 +293,9 @@ def main(argv=None):
         work = Path(tempfile.mkdtemp(prefix="keras-conformance-"))
         for copy, swap in (("stock", False), ("swapped", True)):
             prepare(sdist, files, work / copy, swap)
+        kept_where = f"logs in {work}" if args.keep else f"logs in {work}, removed at the end; --keep keeps them"
         print(f"keras {version}: running {len(files)} test files, stock and swapped side by side "
-              f"(logs in {work}) ...", flush=True)
+              f"({kept_where}) ...", flush=True)
         start = time.monotonic()
         runs = [start_pytest(work / copy, files, args.keyword) for copy in ("stock", "swapped")]
         for process, log in runs:

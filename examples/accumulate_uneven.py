@@ -18,7 +18,9 @@ Run:
 """
 
 import numpy as np
-import tensorflow as tf
+from _quiet import import_tensorflow
+
+tf = import_tensorflow()  # without its C++ start-up lines
 
 # Two logical CPUs; must precede any other TF use.
 _CPU = tf.config.list_physical_devices("CPU")[0]

@@ -18,14 +18,16 @@ Run:
 import os
 import sys
 
+from _quiet import import_tensorflow
+
+# Without its C++ start-up lines; first, since importing keras_safe_dist loads
+# TensorFlow too (in the launching process as well).
+tf = import_tensorflow()
+
 if "TF_CONFIG" not in os.environ:
     from keras_safe_dist.launch import launch
 
     sys.exit(launch(__file__, workers=2, timeout=300))
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-import tensorflow as tf  # noqa: E402
 
 STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
 

@@ -5,13 +5,13 @@ which returns the exit status; bad arguments exit with status 2.
 """
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
 import time
 
 from keras_safe_dist import _json
+from keras_safe_dist import _quiet
 from keras_safe_dist import launch as launch_module
 
 __all__ = ["build_parser", "main"]
@@ -126,25 +126,7 @@ def _add_doctor(commands):
     )
 
 
-@contextlib.contextmanager
-def _native_stderr_silenced(silenced):
-    """Points file descriptor 2 at /dev/null while TensorFlow starts.
-
-    TensorFlow's C++ start-up lines (CUDA probes, "All log messages before
-    absl::InitializeLog()") are written before its log level applies.
-    """
-    if not silenced:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+_native_stderr_silenced = _quiet.native_stderr_silenced
 
 
 def _doctor(args):
@@ -224,27 +206,24 @@ def _report(args):
     try:
         report = report_module.read_log_dir(args.log_dir)
     except (FileNotFoundError, NotADirectoryError) as error:
-        print(f"keras-safe-dist report: {error}", file=sys.stderr)
-        return 2
+        return _report_nothing(args, str(error))
     if not (report.audits or report.nan_onsets or report.runs or report.errors):
         if report.warnings:
             # The log directory is right; what it holds cannot be read.
             damaged = "; ".join(f"{p.path} ({p.problem})" for p in report.warnings)
-            print(
-                f"keras-safe-dist report: nothing readable under {args.log_dir}: "
-                f"no audit_*.json or nan_onset.json, and no update statistics could "
-                f"be read from the damaged event files: {damaged}. Check the disk "
-                "and the run that wrote them.",
-                file=sys.stderr,
+            return _report_nothing(
+                args,
+                f"nothing readable under {args.log_dir}: no audit_*.json or "
+                "nan_onset.json, and no update statistics could be read from the "
+                f"damaged event files: {damaged}. Check the disk and the run that "
+                "wrote them.",
             )
-            return 2
-        print(
-            f"keras-safe-dist report: nothing to report under {args.log_dir}: no "
-            "audit_*.json, nan_onset.json or logged update statistics. Pass the "
-            "log_dir given to the keras_safe_dist callbacks.",
-            file=sys.stderr,
+        return _report_nothing(
+            args,
+            f"nothing to report under {args.log_dir}: no audit_*.json, "
+            "nan_onset.json or logged update statistics. Pass the log_dir given "
+            "to the keras_safe_dist callbacks.",
         )
-        return 2
     if args.json:
         print(_json.dumps(report.to_dict(args.fail_on), indent=2, sort_keys=True))
     else:
@@ -256,6 +235,15 @@ def _report(args):
     if report.errors:
         return 2  # the findings may be incomplete
     return 1 if report.failing(args.fail_on) else 0
+
+
+def _report_nothing(args, reason):
+    """Says why there is no report: on stderr, and with --json as a JSON document."""
+    print(f"keras-safe-dist report: {reason}", file=sys.stderr)
+    if args.json:
+        document = {"log_dir": args.log_dir, "error": reason, "failed": None}
+        print(_json.dumps(document, indent=2, sort_keys=True))
+    return 2
 
 
 _COMMANDS = {"launch": _launch, "doctor": _doctor, "report": _report}

@@ -93,6 +93,23 @@ CODES = {
     "MODE004": Code(
         "training mode", "info", "BatchNormalization statistics differ across replicas"
     ),
+    # Stock model: what keras.Model's own update gets wrong on several replicas.
+    "DIST001": Code(
+        "stock model", "error", "optimizer clips each replica's gradient before the all-reduce"
+    ),
+    "DIST002": Code(
+        "stock model", "error", "optimizer accumulates gradients under a multi-replica strategy"
+    ),
+    "DIST003": Code(
+        "stock model", "warning",
+        "loss divides by each replica's own weight or mask total",
+    ),
+    "DIST004": Code(
+        "stock model", "info", "loss mis-weights a batch that splits unevenly"
+    ),
+    "DIST005": Code(
+        "stock model", "error", "stock fit under MultiWorkerMirroredStrategy"
+    ),
     # Non-finite values.
     "NAN001": Code("non-finite", "error", "non-finite value during training"),
     "NAN002": Code("non-finite", "error", "too many consecutive skipped updates"),

@@ -12,6 +12,7 @@ from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import _shares
 from keras_safe_dist import _validate
+from keras_safe_dist import _warnings
 from keras_safe_dist import _xla
 from keras_safe_dist import nan
 from keras_safe_dist._update import UpdateEngine
@@ -55,9 +56,9 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
     batch, whatever the number of replicas or how a batch splits across them.
 
     Use it like `keras.Model`: functionally
-    (`SafeDistributedModel(inputs=..., outputs=..., ...)`, which also wraps the
-    inputs and outputs of any Sequential or functional model) or by
-    subclassing and implementing `call()`.
+    (`SafeDistributedModel(inputs=..., outputs=..., ...)`), by subclassing and
+    implementing `call()`, or over an existing Sequential or functional model
+    with `SafeDistributedModel.from_model(model, ...)`.
 
     Args:
         gradient_accumulation_steps: micro-batches per optimizer update. A
@@ -193,6 +194,49 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         self.train_function = None
         self._update_engine = None
 
+    @property
+    def replica_jit_compile(self):
+        """Whether each replica's forward and backward pass runs under XLA.
+
+        `compile(jit_compile=True)` on several replicas (or on one device for
+        a model whose Embedding rows are kept across accumulated
+        micro-batches) compiles each replica's pass with XLA and keeps the
+        all-reduce and the update outside it, so Keras's `model.jit_compile`
+        reads False there. This flag reads True while that step is in use:
+        False when `jit_compile` was not True, and from the `fit()` that
+        dropped it (a `NaNOnsetDetector`, or an overridden `compute_loss()`,
+        runs the plain step; a warning says so once). Read-only.
+
+        Example:
+
+        ```python
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        print(model.jit_compile, model.replica_jit_compile)  # False True on 2 replicas
+        ```
+        """
+        return self._xla_replicas and self._xla_dropped_by() is None
+
+    def _xla_dropped_by(self):
+        """What makes the step drop the per-replica XLA pass, or None."""
+        if self._nan_probe is not None:
+            return "a NaNOnsetDetector (its in-step checks run in the plain step)"
+        if _compat.compute_loss_is_overridden(self):
+            return f"the overridden compute_loss() of {type(self).__name__}"
+        return None
+
+    def _warn_if_xla_dropped(self):
+        """Says once per model that jit_compile=True is not applied, and why."""
+        reason = self._xla_dropped_by() if self._xla_replicas else None
+        if reason is None or self.__dict__.get("_xla_drop_warned"):
+            return
+        self.__dict__["_xla_drop_warned"] = True
+        _warnings.warn(
+            f"compile(jit_compile=True) asked for XLA, but with {reason} model "
+            f"'{self.name}' trains with the plain step, without XLA "
+            "(model.replica_jit_compile reads False while it does). Remove "
+            "that to train each replica's pass under XLA."
+        )
+
     def get_config(self):
         config = super().get_config()
         config.update(
@@ -221,6 +265,59 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             _validate_options(**{**_OPTION_DEFAULTS, **options})
         )
         return model
+
+    @classmethod
+    def from_model(cls, model, *, input_shape=None, **options):
+        """A `SafeDistributedModel` with the layers and weights of `model`.
+
+        Takes a `keras.Sequential` (with an `Input`, or built, or unbuilt
+        given `input_shape`) or a functional `keras.Model`, and returns a
+        functional `SafeDistributedModel` over the same layer objects: the
+        same variables, so the same predictions, and training it trains
+        `model`'s layers. Neither the compile state nor the optimizer is
+        copied: compile the result, giving `SafeDistributedModel` the
+        clipping or accumulation the optimizer had. Call it in the scope
+        of the strategy that built `model` (or will build it, for an
+        unbuilt Sequential).
+
+        Args:
+            model: a Sequential or functional `keras.Model`.
+            input_shape: the shape of one sample, without the batch
+                dimension (as `keras.Input(shape=...)` takes it), to build a
+                Sequential that has no `Input` and was never built; ignored
+                otherwise unless it differs from the model's.
+            **options: the options of `SafeDistributedModel`
+                (`gradient_accumulation_steps`, `global_clipnorm`, ...).
+
+        Returns:
+            A `SafeDistributedModel` (a `SafeDistributedFunctional`) named
+            as `model`.
+
+        Raises:
+            TypeError: when `model` is not a `keras.Model`, or is a
+                subclassed model (subclass `SafeDistributedModel` instead).
+            ValueError: for an unbuilt Sequential without `input_shape`, an
+                `input_shape` that differs from the model's, or an invalid
+                option.
+            ScopeError: when called inside a strategy's scope while the
+                model's variables were built outside it.
+
+        Example:
+
+        ```python
+        with strategy.scope():
+            sequential = keras.Sequential([keras.layers.Dense(32), keras.layers.Dense(1)])
+            model = SafeDistributedModel.from_model(
+                sequential, input_shape=(8,), global_clipnorm=1.0
+            )
+            model.compile(optimizer="adam", loss="mse")
+        ```
+        """
+        inputs, outputs = _model_graph(model, input_shape)
+        wrapped = cls(inputs=inputs, outputs=outputs, name=model.name, **options)
+        if tf.distribute.has_strategy():
+            _scope.check_scope("SafeDistributedModel.from_model()", wrapped)
+        return wrapped
 
     def compile(self, *args, **kwargs):
         """Same as `keras.Model.compile`, refusing what cannot work distributed.
@@ -445,6 +542,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         # With several steps per execution, the execution ends at the step
         # the detector reports, so that its batch and weights are still held.
         self._execution_ends = self._nan_probe
+        self._warn_if_xla_dropped()
         try:
             return self._make_train_function(force)
         finally:
@@ -686,7 +784,7 @@ class _EpochBoundary(keras.callbacks.Callback):
         first = engine.first_skip()
         if first is not None:
             self.warned = True
-            warnings.warn(_skip_message(epoch, *first, engine.steps), stacklevel=2)
+            _warnings.warn(_skip_message(epoch, *first, engine.steps))
 
 
 def _skip_message(epoch, update, samples, steps):
@@ -798,6 +896,56 @@ def _check_optimizer(optimizer):
                     f"SafeDistributedModel(...) instead and leave it unset on "
                     f"the optimizer. Received optimizer: {candidate.name}"
                 )
+
+
+def _model_graph(model, input_shape):
+    """`(inputs, outputs)` of a Sequential or functional `model`, built if needed."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "SafeDistributedModel.from_model() takes a keras.Model (a Sequential "
+            f"or functional model). Received: {type(model).__name__} {model!r}"
+        )
+    if isinstance(model, keras.Sequential) and input_shape is not None:
+        shape = (None, *tuple(input_shape))
+        if not model.built or not _has_inputs(model):
+            model.build(shape)
+        built = tuple(model.inputs[0].shape)
+        if len(built) != len(shape) or any(
+            a is not None and b is not None and a != b for a, b in zip(built, shape)
+        ):
+            raise ValueError(
+                f"`input_shape` must match the shape model '{model.name}' was "
+                f"built with, {built[1:]} per sample. Received: "
+                f"input_shape={tuple(input_shape)}"
+            )
+    if isinstance(model, keras.Sequential) and not _has_inputs(model):
+        raise ValueError(
+            f"SafeDistributedModel.from_model() needs the input shape of "
+            f"Sequential model '{model.name}', which has no `Input` and was "
+            "never built. Pass the shape of one sample, e.g. "
+            "`SafeDistributedModel.from_model(model, input_shape=(8,))`, start "
+            "the Sequential with `keras.Input((8,))`, or call "
+            "`model.build((None, 8))` first."
+        )
+    inputs = _has_inputs(model) and model.inputs
+    outputs = inputs and model.outputs
+    if not inputs or not outputs:
+        raise TypeError(
+            "SafeDistributedModel.from_model() takes a Sequential or functional "
+            "model, whose inputs and outputs it reuses. Received: a subclassed "
+            f"model of class {type(model).__name__}, which has none. Subclass "
+            "SafeDistributedModel instead of keras.Model (its `call()` stays "
+            "the same)."
+        )
+    return inputs, outputs
+
+
+def _has_inputs(model):
+    """Whether `model` has symbolic inputs (a Sequential gets them when built)."""
+    try:
+        return bool(model.inputs)
+    except AttributeError:
+        return False
 
 
 def _fit_data(args, kwargs):

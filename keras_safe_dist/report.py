@@ -469,6 +469,12 @@ def format_text(report, fail_on="error"):
             for name, s in run.summary().items():
                 numbers = (_number(s[key]) for key in ("last", "max", "mean"))
                 lines.append(markdown_row((run.run, name, *numbers)))
+    elif report.audits or report.nan_onsets:
+        lines.append(
+            "none logged: the update statistics come from a SafeDistributedModel "
+            "(with a Dashboard, a NaNOnsetDetector or log_update_stats=True); a "
+            "stock keras.Model logs none. See SafeDistributedModel.from_model()."
+        )
     else:
         lines.append("none logged")
     for title, problems in (("Unreadable reports", report.errors), ("Skipped", report.warnings)):

@@ -4,9 +4,18 @@ import gc
 import json
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Level 3 also drops "failed call to cuInit ... (303)" on a machine without a
+# GPU; the lines written while TensorFlow loads ignore any level.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import tensorflow as tf  # noqa: E402
+_SAVED_STDERR = os.dup(2)
+with open(os.devnull, "w") as _null:
+    os.dup2(_null.fileno(), 2)
+try:  # as keras_safe_dist._quiet does; importing the package would load TensorFlow
+    import tensorflow as tf  # noqa: E402
+finally:
+    os.dup2(_SAVED_STDERR, 2)
+    os.close(_SAVED_STDERR)
 
 _CPU = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(

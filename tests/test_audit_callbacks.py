@@ -65,10 +65,40 @@ def test_aggregation_audit_flags_an_on_write_sum_variable_at_train_begin(replica
     model = build(strategy_for(replicas), SumCounter(name="counter"), keras.layers.Dense(1))
     audit = callbacks.AggregationAudit(on_finding="ignore")
     fit(model, audit)
-    assert [(f.code, f.severity, f.subject) for f in audit.report] == [("AGG003", "error", "counter/count")]
+    expected = [("AGG003", "error", "counter/count")]
+    if replicas == 2:  # a stock model's loss on batches that split unevenly
+        expected.append(("DIST004", "info", f"model '{model.name}' loss"))
+    assert [(f.code, f.severity, f.subject) for f in audit.report] == expected
     rows = {v.path: v for v in audit.variables}
     assert rows["counter/count"].container == ("plain" if replicas == 1 else "mirrored")
     assert any(v.role == "optimizer-state" for v in audit.variables)
+
+
+
+def test_aggregation_audit_warns_once_of_a_stock_sequential_clipping_per_replica():
+    with strategy_for(2).scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(global_clipnorm=1.0), loss="mse")
+    audit = callbacks.AggregationAudit()
+    with pytest.warns(callbacks.AuditWarning) as caught:
+        fit(model, audit, epochs=2)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message.startswith("aggregation audit: 1 error, 0 warnings, 1 info (DIST001, DIST004)")
+    assert "[DIST001] error optimizer '" in message
+    assert "Fix: Move it to SafeDistributedModel" in message
+
+
+@pytest.mark.parametrize(
+    "cls,replicas",
+    [(keras.Model, 1), (SafeDistributedModel, 1), (SafeDistributedModel, 2)],
+    ids=["stock-1replica", "safe-1replica", "safe-2replicas"],
+)
+def test_aggregation_audit_is_silent_on_a_safe_model_and_on_one_device(cls, replicas):
+    model = build(strategy_for(replicas), keras.layers.Dense(1), cls=cls)
+    audit = callbacks.AggregationAudit(on_finding="raise")
+    fit(model, audit)
+    assert audit.report.codes() == ()
 
 
 @pytest.mark.parametrize("cls", [keras.Model, SafeDistributedModel], ids=["stock", "safe"])
@@ -221,7 +251,8 @@ def test_reports_are_written_for_tensorboard_and_as_json(tmp_path, replicas):
     assert (info.step, float(tf.make_ndarray(info.tensor_proto))) == (2, 0.0 if replicas == 1 else 1.0)
     with open(os.path.join(log_dir, "audit_aggregation.json")) as f:
         data = json.load(f)
-    assert data["counts"] == {"error": 1, "warning": 0, "info": 0}
+    # A stock model on 2 replicas: DIST004 (info) on unevenly split batches.
+    assert data["counts"] == {"error": 1, "warning": 0, "info": replicas - 1}
     assert data["findings"][0]["subject"] == "counter/count"
     assert {v["path"] for v in data["variables"]} >= {"counter/count", "bn/moving_mean"}
 
@@ -360,9 +391,11 @@ def test_audits_are_silent_beside_every_keras_callback_and_ours(tmp_path, replic
         keras.callbacks.TensorBoard(logs),
     ]
     fit(model, *audits, *others, epochs=3)
+    # A stock model on 2 replicas gets only the info on unevenly split batches.
+    stock_info = " (DIST004)" if cls is keras.Model and replicas == 2 else ""
     assert [a.report.summary() for a in audits] == [
         "scope audit: 0 errors, 0 warnings, 0 info",
-        "aggregation audit: 0 errors, 0 warnings, 0 info",
+        f"aggregation audit: 0 errors, 0 warnings, {len(stock_info) and 1} info{stock_info}",
         "training_mode audit: 0 errors, 0 warnings, 0 info",
     ]
     assert int(model.optimizer.iterations.numpy()) == 12

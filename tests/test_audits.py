@@ -127,7 +127,8 @@ def test_metric_state_that_is_not_replica_local(replicas):
 def test_variable_of_a_distributed_model_that_is_not_distributed():
     strategy = mirrored_strategy()
     with strategy.scope():
-        model = keras.Sequential([keras.layers.Dense(2, name="lazy")])
+        # Named: an earlier test's Sequential would make the default "sequential_1".
+        model = keras.Sequential([keras.layers.Dense(2, name="lazy")], name="sequential")
     model(np.ones((2, 3), "float32"))  # built on first call, outside the scope
     findings, variables = aggregation_findings(model)
     lazy = [f for f in findings if f.code == "AGG005"]
@@ -194,7 +195,8 @@ def test_everything_inside_the_scope_is_silent(replicas):
         metric = keras.metrics.AUC()
     model = model_with(keras.layers.Dense(1), strategy, optimizer="adam", metrics=[metric])
     assert scope_findings(model) == []
-    assert len(keras_safe_dist.audit(model)) == 0
+    # A stock model on 2 replicas: only the info on unevenly split batches.
+    assert keras_safe_dist.audit(model).codes() == (() if replicas == 1 else ("DIST004",))
 
 
 def test_audit_combines_the_static_checks():
@@ -208,7 +210,7 @@ def test_audit_combines_the_static_checks():
     model.compile(optimizer=keras.optimizers.SGD(), loss="mse", metrics=[keras.metrics.AUC()])  # outside
     report = keras_safe_dist.audit(model)
     assert report.name == "pre-flight"
-    assert report.codes() == ("AGG003", "AGG005", "SCOPE002", "SCOPE003", "MODE003")
+    assert report.codes() == ("AGG003", "AGG005", "SCOPE002", "SCOPE003", "MODE003", "DIST004")
     frozen_finding = only(report.findings, "MODE003")
     assert (frozen_finding.severity, frozen_finding.subject) == ("warning", "frozen_bn")
 
@@ -437,3 +439,76 @@ def test_compile_inside_another_strategy_scope_raises_scope006():
     with mirrored_strategy().scope():
         with pytest.raises(keras_safe_dist.ScopeError, match=r"^SafeDistributedModel.compile\(\) was called inside the scope of another strategy:\n- \[SCOPE006\]"):
             model.compile(optimizer="sgd", loss="mse")
+
+
+def stock_sequential(strategy, optimizer, loss="mse", *layers):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), *layers, keras.layers.Dense(1)])
+        model.compile(optimizer=optimizer, loss=loss)
+    return model
+
+
+def test_audit_flags_a_stock_optimizer_that_clips_per_replica_with_the_size_and_the_fix():
+    model = stock_sequential(mirrored_strategy(), keras.optimizers.Adam(global_clipnorm=1.0, name="adam"))
+    report = keras_safe_dist.audit(model)
+    finding = only(report.findings, "DIST001")
+    assert (finding.severity, finding.subject) == ("error", "optimizer 'adam'")
+    assert "global_clipnorm=1 clips each replica's gradient before the all-reduce under MirroredStrategy with 2 replicas" in finding.message
+    assert "the update's gradient norm can reach 2 x 1 = 2" in finding.message
+    assert "`SafeDistributedModel.from_model(model, global_clipnorm=1)`" in finding.fix
+
+
+@pytest.mark.parametrize(
+    "optimizer,code,text",
+    [
+        (lambda: keras.optimizers.SGD(clipnorm=0.5), "DIST001", "clipnorm=0.5"),
+        (lambda: keras.optimizers.SGD(clipvalue=0.25), "DIST001", "each element of the update's gradient can reach 2 x 0.25 = 0.5"),
+        (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(global_clipnorm=2.0)), "DIST001", "global_clipnorm=2"),
+        (lambda: keras.optimizers.SGD(gradient_accumulation_steps=3), "DIST002", "gradient_accumulation_steps=3 under MirroredStrategy with 2 replicas: fit() crashes"),
+    ],
+    ids=["clipnorm", "clipvalue", "loss-scale-inner", "accumulation"],
+)
+def test_audit_flags_each_optimizer_option_a_stock_model_applies_per_replica(optimizer, code, text):
+    with mirrored_strategy().scope():
+        built = optimizer()
+    report = keras_safe_dist.audit(stock_sequential(mirrored_strategy(), built))
+    finding = only(report.findings, code)
+    assert finding.severity == "error" and text in finding.message
+    assert "SafeDistributedModel.from_model(model, " in finding.fix
+
+
+@pytest.mark.parametrize(
+    "loss,layers,cause",
+    [
+        (lambda: keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"), (), "reduction='mean_with_sample_weight' divides by each replica's own sample-weight total"),
+        (lambda: "mse", (keras.layers.Masking(name="pad"),), "the mask of pad makes each replica divide by its own count of unmasked entries"),
+    ],
+    ids=["mean-with-sample-weight", "mask"],
+)
+def test_audit_warns_of_a_stock_loss_normalized_per_replica(loss, layers, cause):
+    model = stock_sequential(mirrored_strategy(), "sgd", loss(), *layers)
+    report = keras_safe_dist.audit(model)
+    assert report.codes() == ("DIST003",)
+    finding = report.findings[0]
+    assert finding.severity == "warning" and finding.message.startswith(cause)
+
+
+def test_stock_findings_stay_silent_on_one_device_and_on_a_safe_model():
+    one_device = stock_sequential(strategy_for(1), keras.optimizers.Adam(global_clipnorm=1.0))
+    assert keras_safe_dist.audit(one_device).codes() == ()
+    with mirrored_strategy().scope():
+        sequential = keras.Sequential([keras.Input((4,)), keras.layers.Masking(), keras.layers.Dense(1)])
+        safe = SafeDistributedModel.from_model(sequential, global_clipnorm=1.0)
+        safe.compile(optimizer="adam", loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+    assert keras_safe_dist.audit(safe).codes() == ()
+
+
+def test_audit_flags_a_stock_fit_under_multi_worker_mirrored_strategy(monkeypatch):
+    from keras_safe_dist.audits import stock
+
+    # A MultiWorkerMirroredStrategy needs worker processes; the check reads the type.
+    monkeypatch.setattr(stock, "_MULTI_WORKER", (tf.distribute.MirroredStrategy,))
+    report = keras_safe_dist.audit(stock_sequential(mirrored_strategy(), "sgd"))
+    finding = only(report.findings, "DIST005")
+    assert finding.severity == "error"
+    assert "fit() fails building the model from the first distributed batch" in finding.message

@@ -163,6 +163,22 @@ def test_measure_turns_an_exception_into_a_failed_side_in_one_line():
     )
 
 
+def test_an_error_naming_a_class_keeps_its_name_and_a_long_cell_ends_at_a_word():
+    error = ValueError(
+        "Attempt to convert a value (PerReplica:{\n  0: big\n}) with an unsupported type "
+        "(<class 'tensorflow.python.distribute.values.PerReplica'>) to a Tensor."
+    )
+    figure = one_line(error)
+    assert figure == (
+        "ValueError: Attempt to convert a value (PerReplica) with an unsupported type "
+        "(PerReplica) to a Tensor."
+    )
+    long = "ValueError: " + "word " * 40
+    cells = doctor.table(VERSIONS, 2, [doctor.Result(doctor.PROBES[0], Side(False, long), Side(True, 1.0), 1.0)])
+    text = " ".join(line.split("|")[2].strip() for line in cells.splitlines() if line.startswith("| "))
+    assert "word ..." in text and "wor ..." not in text and "wo..." not in text
+
+
 def fake_results():
     probes = doctor.PROBES
     return [

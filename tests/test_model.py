@@ -81,6 +81,51 @@ def test_jit_compile_on_two_replicas_compiles_each_replica_and_auto_stays_off():
         assert model.jit_compile is False and model._xla_replicas is False
         model.compile(optimizer="sgd", loss="mse", jit_compile=True)
         assert model.jit_compile is False and model._xla_replicas is True
+        assert model.replica_jit_compile is True
+        model.compile(optimizer="sgd", loss="mse", jit_compile="auto")
+        assert model.replica_jit_compile is False
+    with pytest.raises(AttributeError):
+        model.replica_jit_compile = True
+
+
+def test_replica_jit_compile_on_one_device_for_an_embedding_with_accumulation():
+    tokens = keras.Input((3,), dtype="int32")
+    outputs = keras.layers.Dense(1)(keras.layers.Flatten()(keras.layers.Embedding(10, 2)(tokens)))
+    model = SafeDistributedModel(tokens, outputs, gradient_accumulation_steps=2)
+    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    assert (model.jit_compile, model.replica_jit_compile) == (False, True)
+
+
+def test_xla_dropped_for_a_nan_detector_is_said_once_and_read_as_false():
+    from keras_safe_dist.callbacks import NaNOnsetDetector
+
+    x, y, _ = regression_data(16)
+    with strategy_for(2).scope():
+        model = functional()
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.fit(x, y, batch_size=8, verbose=0, callbacks=[NaNOnsetDetector()])
+    dropped = [w for w in caught if "asked for XLA" in str(w.message)]
+    assert [w.filename for w in dropped] == [__file__]
+    assert str(dropped[0].message).startswith(
+        "compile(jit_compile=True) asked for XLA, but with a NaNOnsetDetector (its in-step "
+        f"checks run in the plain step) model '{model.name}' trains with the plain step, without XLA"
+    )
+    assert model.replica_jit_compile is False
+
+
+def test_replica_jit_compile_is_false_for_an_overridden_compute_loss():
+    class OwnLoss(SafeDistributedModel):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean((y - y_pred) ** 2)
+
+    with strategy_for(2).scope():
+        inputs = keras.Input((4,))
+        model = OwnLoss(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", jit_compile=True)
+    assert model._xla_replicas is True and model.replica_jit_compile is False
 
 
 def test_jit_compile_on_two_replicas_refuses_synchronized_layers():
@@ -104,6 +149,95 @@ def test_wraps_a_sequential_model():
     model = SafeDistributedModel(inputs=sequential.inputs, outputs=sequential.outputs, clipvalue=0.5)
     assert model.clipvalue == 0.5
     assert len(model.trainable_weights) == 2
+
+
+
+def _sequential_with_input():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+
+
+def _sequential_built():
+    model = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.build((None, 4))
+    return model
+
+
+def _sequential_unbuilt():
+    return keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(1)])
+
+
+def _functional_stock():
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(3)(inputs)))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_sequential_with_input, _sequential_built, _sequential_unbuilt, _functional_stock],
+    ids=["sequential-input", "sequential-built", "sequential-unbuilt", "functional"],
+)
+def test_from_model_keeps_layers_weights_predictions_and_options(build):
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype("float32")
+    original = build()
+    shape = (4,) if build is _sequential_unbuilt else None
+    model = SafeDistributedModel.from_model(
+        original, input_shape=shape, gradient_accumulation_steps=2, global_clipnorm=1.5
+    )
+    assert isinstance(model, SafeDistributedFunctional)
+    assert (model.gradient_accumulation_steps, model.global_clipnorm) == (2, 1.5)
+    assert model.name == original.name
+    assert [id(v) for v in model.weights] == [id(v) for v in original.weights]
+    np.testing.assert_array_equal(
+        model.predict(x, verbose=0), original.predict(x, verbose=0)
+    )
+
+
+def test_from_model_trains_the_original_layers_under_a_strategy():
+    strategy = strategy_for(2)
+    x, y, _ = regression_data(8)
+    with strategy.scope():
+        original = keras.Sequential([keras.layers.Dense(1)])
+        model = SafeDistributedModel.from_model(original, input_shape=(4,), clipnorm=1.0)
+        model.compile(optimizer="sgd", loss="mse")
+    before = original.get_weights()[0].copy()
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert isinstance(original.weights[0].value, tf.distribute.DistributedValues)
+    assert not np.allclose(original.get_weights()[0], before)
+
+
+def test_from_model_refuses_an_unbuilt_sequential_without_a_shape():
+    with pytest.raises(ValueError, match=r"has no `Input` and was never built\. Pass the shape of one sample, e\.g\. `SafeDistributedModel\.from_model\(model, input_shape=\(8,\)\)`"):
+        SafeDistributedModel.from_model(_sequential_unbuilt())
+
+
+def test_from_model_refuses_an_input_shape_that_differs_from_the_model():
+    with pytest.raises(ValueError, match=r"`input_shape` must match .* \(4,\) per sample\. Received: input_shape=\(5,\)"):
+        SafeDistributedModel.from_model(_sequential_with_input(), input_shape=(5,))
+
+
+@pytest.mark.parametrize(
+    "received,message",
+    [
+        ("model.keras", "takes a keras.Model .* Received: str 'model.keras'"),
+        (TwoLayer, "Received: a subclassed model of class TwoLayer, which has none. Subclass SafeDistributedModel"),
+    ],
+    ids=["not-a-model", "subclassed"],
+)
+def test_from_model_refuses_what_it_cannot_wrap_naming_it(received, message):
+    if received is TwoLayer:
+        received = TwoLayer()
+        received(np.zeros((1, 4), "float32"))
+    with pytest.raises(TypeError, match=message):
+        SafeDistributedModel.from_model(received)
+
+
+def test_from_model_in_a_scope_on_a_model_built_outside_raises_scope_error():
+    from keras_safe_dist import ScopeError
+
+    original = _sequential_with_input()
+    with strategy_for(2).scope():
+        with pytest.raises(ScopeError, match=r"\[SCOPE001\] model '.*': 4 of 4 variables belong to no strategy"):
+            SafeDistributedModel.from_model(original)
 
 
 @pytest.mark.parametrize("build", [functional, TwoLayer], ids=["functional", "subclassed"])

@@ -165,6 +165,16 @@ def test_report_refuses_a_missing_or_empty_log_dir(tmp_path, capsys, make):
         assert err.startswith(f"keras-safe-dist report: nothing to report under {log_dir}: no audit_*.json")
 
 
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_report_json_on_nothing_to_read_prints_a_document_with_the_reason(tmp_path, capsys, make):
+    log_dir = tmp_path / "nowhere" if make == "missing" else tmp_path
+    code, out, err = run_cli(capsys, str(log_dir), "--json")
+    assert code == 2
+    document = strict_json(out)
+    assert document == {"log_dir": str(log_dir), "error": err[len("keras-safe-dist report: "):].rstrip("\n"), "failed": None}
+    assert document["error"].startswith("log directory not found" if make == "missing" else "nothing to report under")
+
+
 def test_report_rejects_an_unknown_fail_on(capsys):
     with pytest.raises(SystemExit) as raised:
         cli.main(["report", ".", "--fail-on", "info"])
@@ -428,3 +438,19 @@ def test_a_nan_onset_json_not_of_the_projects_shape_is_named_with_exit_2(tmp_pat
     assert "NAN001" not in out
     assert f"keras-safe-dist report: cannot read {tmp_path / 'nan_onset.json'}: " in err
     assert problem in err
+
+
+def test_report_fails_a_stock_model_clipping_per_replica_and_says_it_logs_no_statistics(tmp_path, capsys):
+    with strategy_for(2).scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(global_clipnorm=1.0), loss="mse")
+    audit = callbacks.AggregationAudit(log_dir=str(tmp_path), on_finding="ignore")
+    with pytest.warns(UserWarning, match="Dashboard writes the update statistics .* of a SafeDistributedModel; model '.*' is a Sequential") as caught:
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[audit, callbacks.Dashboard(str(tmp_path))])
+    # Once, attributed to the fit() call above.
+    assert [w.filename for w in caught if "Dashboard writes" in str(w.message)] == [__file__]
+    code, out, _ = run_cli(capsys, str(tmp_path), "--fail-on", "warning")
+    assert code == 1
+    assert "| aggregation | DIST001 | error | optimizer '" in out
+    assert "Update statistics per run:\nnone logged: the update statistics come from a SafeDistributedModel" in out
+    assert out.rstrip().endswith("1 finding(s) at or above 'warning': failing.")

@@ -199,7 +199,10 @@ def test_first_skipped_update_of_a_fit_warns_once(replicas, steps):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    messages = [str(w.message) for w in caught if "skipped a non-finite update" in str(w.message)]
+    skipped = [w for w in caught if "skipped a non-finite update" in str(w.message)]
+    # Attributed to the fit() call above, not to Keras's callback list.
+    assert [w.filename for w in skipped] == [__file__]
+    messages = [str(w.message) for w in skipped]
     where = "batch 2" if steps == 1 else "update 1 (micro-batches 2 to 3)"
     samples = 8 * steps
     assert messages == [

@@ -12,6 +12,7 @@ from keras_safe_dist.audits.scope import creation_site
 from keras_safe_dist.audits.scope import current_scope_findings
 from keras_safe_dist.audits.scope import scope_findings
 from keras_safe_dist.audits.scope import training_strategy
+from keras_safe_dist.audits.stock import stock_findings
 from keras_safe_dist.audits.training_mode import TrainingModeSnapshot
 from keras_safe_dist.audits.training_mode import frozen_batch_norm_findings
 from keras_safe_dist.findings import AuditReport
@@ -28,6 +29,7 @@ __all__ = [
     "current_scope_findings",
     "frozen_batch_norm_findings",
     "scope_findings",
+    "stock_findings",
     "training_strategy",
 ]
 
@@ -37,8 +39,10 @@ def audit(model, strategy=None):
 
     Runs the static checks of every audit callback: variable aggregation
     (`AGG*`), strategy-scope placement of model, optimizer, loss scale and
-    metrics (`SCOPE001`-`SCOPE004`) and frozen BatchNormalization layers
-    (`MODE003`). Checks that need training steps (`SCOPE005`, `MODE001`,
+    metrics (`SCOPE001`-`SCOPE004`), frozen BatchNormalization layers
+    (`MODE003`) and, for a stock `keras.Model` on several replicas, the
+    defects its configuration shows (`DIST*`: an optimizer that clips or
+    accumulates per replica, a loss that mis-weights the replicas' shares). Checks that need training steps (`SCOPE005`, `MODE001`,
     `MODE002`, `MODE004`) run in the callbacks.
 
     Args:
@@ -80,4 +84,5 @@ def audit(model, strategy=None):
     findings, _ = aggregation_findings(model, strategy)
     findings += scope_findings(model, strategy)
     findings += frozen_batch_norm_findings(model)
+    findings += stock_findings(model, strategy)
     return AuditReport("pre-flight", findings)

@@ -1,6 +1,7 @@
 """`AggregationAudit`: how every variable is aggregated across replicas."""
 
 from keras_safe_dist.audits import aggregation_findings
+from keras_safe_dist.audits import stock_findings
 from keras_safe_dist.audits import training_strategy
 from keras_safe_dist.audits._variables import all_variables
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
@@ -28,6 +29,11 @@ class AggregationAudit(AuditCallback):
     - `AGG005`: a plain variable in a model trained under a strategy that
       mirrors variables (not the default strategy or `OneDeviceStrategy`).
     - `AGG006`: an integer variable with `mean` aggregation.
+
+    On a stock `keras.Model` trained on several replicas it also reports how
+    the replicas' gradients are combined wrongly (`DIST001` per-replica
+    clipping, `DIST002` optimizer accumulation, `DIST003` and `DIST004` loss
+    weighting, `DIST005` multi-worker fit); see `audits.stock_findings`.
 
     Args:
         log_dir: where to write the report; None writes nothing.
@@ -64,6 +70,7 @@ class AggregationAudit(AuditCallback):
     def _audit(self, step):
         strategy = training_strategy(self.model)
         findings, self.variables = aggregation_findings(self.model, strategy)
+        findings += stock_findings(self.model, strategy)
         self.publish(
             AuditReport(self.name, findings),
             step=step,

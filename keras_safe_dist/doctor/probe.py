@@ -83,6 +83,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NODE = re.compile(r"\{\{[^}]*\}\}\s*")
 _PER_REPLICA = re.compile(r"PerReplica:\{.*\n\}", re.DOTALL)
 _KERAS_WRAPPER = re.compile(r"^Exception encountered when calling [^\n]*\n+")
+# `<class 'tensorflow.python.distribute.values.PerReplica'>` -> `PerReplica`
+_CLASS_REPR = re.compile(r"<class '(?:[\w]+\.)*(\w+)'>")
 _LIMIT = 200
 
 
@@ -92,6 +94,7 @@ def one_line(error):
     text = _KERAS_WRAPPER.sub("", text.strip())
     text = _PER_REPLICA.sub("PerReplica", text)
     text = _NODE.sub("", text)
+    text = _CLASS_REPR.sub(r"\1", text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     message = lines[0] if lines else ""
     sentence = re.match(r"(.+?\.)(\s|$)", message)

@@ -18,7 +18,7 @@ _COLUMNS = (("probe", 22), ("stock Keras", 31), ("SafeDistributedModel", 26), ("
 
 _LINE_LIMIT = 100
 
-_CELL_LIMIT = 100
+_CELL_LIMIT = 120
 
 
 def format_figure(figure):
@@ -117,7 +117,8 @@ def _cell(side, bad):
     label = {True: "ok", False: bad, None: "skipped"}[side.ok]
     figure = format_figure(side.figure)
     if len(figure) > _CELL_LIMIT:
-        figure = figure[: _CELL_LIMIT - 3] + "..."  # the JSON has all of it
+        # At a word boundary; the JSON has all of it.
+        figure = figure[: _CELL_LIMIT - 3].rsplit(" ", 1)[0] + " ..."
     return figure if side.ok is None else f"{label}: {figure}"
 
 

@@ -1,0 +1,39 @@
+"""Warnings that point at the user's line, not at Keras's or this package's."""
+
+import os
+import sys
+import warnings
+
+import keras
+import tensorflow as tf
+
+__all__ = ["LIBRARIES", "warn"]
+
+# Frames in these folders are skipped. The standard library's folder holds
+# site-packages, so Keras, TensorFlow and every other installed package
+# (pytest's too) are skipped along with this package, wherever installed.
+LIBRARIES = tuple(
+    dict.fromkeys(
+        os.path.dirname(path) + os.sep
+        for path in (os.__file__, __file__, keras.__file__, tf.__file__)
+    )
+)
+
+
+def warn(message, category=UserWarning):
+    """Warns as `warnings.warn`, attributed to the first frame outside the libraries.
+
+    A warning raised from a callback hook or a train function then names the
+    user's `fit()` line instead of Keras's callback list.
+
+    Args:
+        message: the warning's text.
+        category: a `Warning` subclass.
+    """
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=LIBRARIES)
+        return
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
