@@ -29,11 +29,15 @@ class MicroBatchLoss(NamedTuple):
         denominator: what the group's summed numerator is divided by, or None
             when every loss uses `reduction="sum"`.
         samples: number of samples in the micro-batch on this replica.
+        undivided: None, or activity penalties that are added to the loss
+            after the division by the denominator: keras < 3.14 adds a
+            layer's activity penalty summed over its batch, not divided by it.
     """
 
     numerator: tf.Tensor
     denominator: Optional[tf.Tensor]
     samples: tf.Tensor
+    undivided: Optional[tf.Tensor] = None
 
 
 class _Term(NamedTuple):
@@ -64,19 +68,24 @@ def micro_batch_loss(model, y, y_pred, sample_weight):
 
         with _compat.swapped_loss_functions(compiled, wrap):
             compiled(y, y_pred, sample_weight)
-    extra = additional_losses(model)
-    if not terms and extra is None:
+    summed = [] if _compat.activity_penalty_per_sample() else _compat.activity_losses(model)
+    extra = additional_losses(model, excluded=summed)
+    undivided = _total(summed)
+    if not terms and extra is None and undivided is None:
         raise ValueError(
             "No loss to compute. Provide a `loss` argument in `compile()` or "
             "call `add_loss()` in the model."
         )
     numerator, denominator = _combine(terms, samples)
+    if denominator is None and undivided is not None:
+        extra = undivided if extra is None else extra + undivided
+        undivided = None
     if extra is not None:
         if denominator is None:
             numerator = numerator + extra
         else:
             numerator = numerator + extra * denominator
-    return MicroBatchLoss(numerator, denominator, samples)
+    return MicroBatchLoss(numerator, denominator, samples, undivided)
 
 
 def custom_loss(value, y_pred, accumulate):
@@ -102,6 +111,7 @@ def kept(micro, keep):
         micro.numerator * keep,
         None if micro.denominator is None else micro.denominator * keep,
         micro.samples * keep,
+        None if micro.undivided is None else micro.undivided * keep,
     )
 
 
@@ -115,11 +125,12 @@ def weight_regularization(model):
     return ops.sum(ops.stack(penalties)) if penalties else None
 
 
-def additional_losses(model):
+def additional_losses(model, excluded=()):
     """Sum of `add_loss()` and activity-regularization losses, or None.
 
     `model.losses` lists these first and the weight regularization penalties
-    last; the penalties are applied once per update instead.
+    last; the penalties are applied once per update instead. Losses in
+    `excluded` (the same tensors) are left out.
     """
     losses = model.losses
     regularized = sum(
@@ -127,7 +138,13 @@ def additional_losses(model):
         for v in model.trainable_weights
         if getattr(v, "regularizer", None) is not None
     )
-    losses = losses[: len(losses) - regularized]
+    left_out = {id(x) for x in excluded}
+    return _total(
+        [x for x in losses[: len(losses) - regularized] if id(x) not in left_out]
+    )
+
+
+def _total(losses):
     if not losses:
         return None
     return ops.sum(ops.stack([ops.cast(ops.sum(x), "float32") for x in losses]))

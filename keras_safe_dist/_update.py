@@ -152,13 +152,15 @@ class UpdateEngine:
         estimate, which the division after the all-reduce then replaces with
         the exact denominator.
         """
+        if micro.undivided is not None and self.steps > 1:
+            raise _summed_activity_penalties_error(self.model, "gradient_accumulation_steps", self.steps)
         if self.steps == 1 and micro.denominator is not None:
             context = tf.distribute.get_replica_context()
             total = context.all_reduce(tf.distribute.ReduceOp.SUM, micro.denominator)
-            micro = micro._replace(
-                numerator=tf.math.divide_no_nan(micro.numerator, total),
-                denominator=None,
-            )
+            numerator = tf.math.divide_no_nan(micro.numerator, total)
+            if micro.undivided is not None:
+                numerator += micro.undivided
+            micro = micro._replace(numerator=numerator, denominator=None, undivided=None)
         objective = micro.numerator
         restore = None
         if self.loss_scale is not None:
@@ -190,6 +192,8 @@ class UpdateEngine:
         denominator, which makes them exact, and the loss divided by it; with
         accumulation under a loss scale the estimate is restored as there.
         """
+        if micro.undivided is not None:
+            raise _summed_activity_penalties_error(self.model, "jit_compile", True)
         restore = None
         if self.steps == 1 and micro.denominator is not None:
             context = tf.distribute.get_replica_context()
@@ -408,6 +412,24 @@ _STATS = (
     "first_skip_samples",
 )
 _KEPT_ACROSS_EPOCHS = [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def _summed_activity_penalties_error(model, option, value):
+    layers = [
+        layer.name
+        for layer in _compat.flatten_layers(model)
+        if getattr(layer, "activity_regularizer", None) is not None
+    ]
+    return ValueError(
+        "SafeDistributedModel cannot train activity regularizers exactly with "
+        f"{option}={value!r} on keras {keras.__version__}: before keras 3.14 "
+        "Keras adds an activity penalty summed over the batch, not divided by "
+        "it, and that sum cannot be split into micro-batches or compiled "
+        "shares whose loss is divided once after the all-reduce. Received: "
+        f"{option}={value!r} and activity regularizers on layers {layers}. "
+        f"Use keras >= 3.14, or {option}="
+        f"{1 if option == 'gradient_accumulation_steps' else False}."
+    )
 
 
 def _grow_loss_scale(optimizer):

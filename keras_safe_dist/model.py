@@ -413,13 +413,15 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         denominator = micro.denominator
         if denominator is None:
             denominator = tf.zeros(())
-        numerator, denominator = tf.unstack(
+        undivided = tf.zeros(()) if micro.undivided is None else micro.undivided
+        numerator, denominator, undivided = tf.unstack(
             context.all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.stack([micro.numerator, denominator])
+                tf.distribute.ReduceOp.SUM,
+                tf.stack([micro.numerator, denominator, undivided]),
             )
         )
         if micro.denominator is not None:
-            numerator = tf.math.divide_no_nan(numerator, denominator)
+            numerator = tf.math.divide_no_nan(numerator, denominator) + undivided
         penalty = _loss.weight_regularization(self)
         if penalty is not None:
             numerator += penalty
@@ -496,6 +498,11 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         penalty = _loss.weight_regularization(self)
         penalty = tf.zeros(()) if penalty is None else penalty
         tracker = _compat.loss_tracker(self)
+        if micro.undivided is not None:
+            # Keras < 3.14's summed activity penalties: the update's loss adds
+            # every replica's (one scalar all-reduce, only in that case).
+            context = tf.distribute.get_replica_context()
+            penalty += context.all_reduce(tf.distribute.ReduceOp.SUM, micro.undivided)
         if micro.denominator is not None:
             value = tf.math.divide_no_nan(micro.numerator, micro.denominator)
             tracker.update_state(value + penalty, sample_weight=micro.denominator)
