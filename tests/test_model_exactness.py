@@ -302,6 +302,20 @@ def test_activity_regularizer_with_accumulation_matches_one_big_batch(replicas):
         model.fit(x, y, batch_size=10, epochs=1, verbose=0)
 
 
+def test_activity_regularizer_with_xla_on_two_replicas_matches_one_device():
+    x, y, _ = regression_data(45)
+
+    def compile_kwargs():
+        return dict(sgd_mse(), jit_compile=True)
+
+    reference, model = twins(2, _activity_regularized, compile_kwargs)
+    if _compat.activity_penalty_per_sample():
+        assert_matches_big_batch(reference, model, x, y, 10, 1)
+        return
+    with pytest.raises(ValueError, match=r"jit_compile=True on keras .*'penalized'"):
+        model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+
+
 def _unknown_length(x, y, batch):
     # A filter hides the dataset's length from Keras.
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).filter(lambda *_: True)
