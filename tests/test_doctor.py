@@ -4,6 +4,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -301,12 +302,18 @@ def test_doctor_json_run_passes_every_probe_for_safe_distributed_model():
     assert defects == [name for name in NAMES if name != "identity-nan"]
 
 
+# TensorFlow's native log lines: absl's format ("I0000 00:00:...", tensorflow 2.18
+# and 2.21) or TensorFlow's own, a date first ("2026-01-01 12:00:00.000000: I ...",
+# tensorflow 2.20).
+_NATIVE_LINE = re.compile(r"[IWEF]\d{4} |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] ")
+
+
 def _native_lines(stderr):
     """TensorFlow's (and absl's) own log lines in `stderr`."""
     return [
         line
         for line in stderr.splitlines()
-        if "absl::InitializeLog" in line or line.startswith(("I0000", "E0000", "W0000"))
+        if "absl::InitializeLog" in line or _NATIVE_LINE.match(line)
     ]
 
 
@@ -325,7 +332,6 @@ def _tensorflow_start_up_lines():
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
 def test_tensorflow_start_up_lines_appear_only_with_verbose(verbose):
     if verbose and not _tensorflow_start_up_lines():
-        # tensorflow 2.20 on a machine without CUDA prints none.
         pytest.skip("this TensorFlow prints no start-up lines here: --verbose has none to show")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
