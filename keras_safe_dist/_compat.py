@@ -51,6 +51,50 @@ def flatten_layers(model):
     return list(model._flatten_layers(include_self=False, recursive=True))
 
 
+def activity_losses(model):
+    """The losses that layers with an activity regularizer added in the last call.
+
+    Keras adds a layer's activity penalty with `add_loss()`, so a layer's own
+    losses are its activity penalties (and whatever its `call` added itself).
+    """
+    return [
+        loss
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if getattr(layer, "activity_regularizer", None) is not None
+        for loss in layer._get_own_losses()
+    ]
+
+
+@functools.cache
+def activity_penalty_per_sample():
+    """Whether Keras divides a layer's activity penalty by the layer's batch size.
+
+    keras 3.14 and later do, which makes the penalty a per-sample mean; earlier
+    releases add it summed over the batch. Found once, by running a layer
+    (outside any trace or scope the caller is in), not from version numbers.
+
+    Raises:
+        RuntimeError: the installed Keras follows neither convention.
+    """
+    with tf.init_scope(), keras.StatelessScope(collect_losses=True):
+        layer = keras.layers.Activation(
+            "linear",
+            activity_regularizer=keras.regularizers.L1(1.0),
+            # Named, so that it takes no automatic name from the user's layers.
+            name="keras_safe_dist_activity_probe",
+        )
+        layer(tf.ones((4, 1)))
+        penalty = float(layer.losses[0])
+    if penalty not in (1.0, 4.0):
+        raise RuntimeError(
+            "keras_safe_dist does not know this Keras release's activity "
+            "regularization: an L1(1.0) penalty on a batch of 4 ones came to "
+            f"{penalty}, expected 1.0 (divided by the batch size, keras >= 3.14) "
+            f"or 4.0 (summed, keras < 3.14). Keras {keras.__version__}."
+        )
+    return penalty == 1.0
+
+
 def compile_loss(model):
     """Returns the `CompileLoss` built by `model.compile()`, or None."""
     return getattr(model, "_compile_loss", None)

@@ -34,12 +34,16 @@ class MicroBatchLoss(NamedTuple):
         per_sample: True when `denominator` is the sample count times a
             constant, so that a loss weighted by its denominator is weighted
             by its samples, as Keras weights the loss it logs.
+        undivided: None, or activity penalties that are added to the loss
+            after the division by the denominator: keras < 3.14 adds a
+            layer's activity penalty summed over its batch, not divided by it.
     """
 
     numerator: tf.Tensor
     denominator: Optional[tf.Tensor]
     samples: tf.Tensor
     per_sample: bool = True
+    undivided: Optional[tf.Tensor] = None
 
 
 def totals_dtype(model):
@@ -84,19 +88,24 @@ def micro_batch_loss(model, y, y_pred, sample_weight):
 
         with _compat.swapped_loss_functions(compiled, wrap):
             compiled(y, y_pred, sample_weight)
-    extra = additional_losses(model)
-    if not terms and extra is None:
+    summed = [] if _compat.activity_penalty_per_sample() else _compat.activity_losses(model)
+    extra = additional_losses(model, excluded=summed)
+    undivided = _total(summed, dtype)
+    if not terms and extra is None and undivided is None:
         raise ValueError(
             "No loss to compute. Provide a `loss` argument in `compile()` or "
             "call `add_loss()` in the model."
         )
     numerator, denominator, per_sample = _combine(terms, samples)
+    if denominator is None and undivided is not None:
+        extra = undivided if extra is None else extra + undivided
+        undivided = None
     if extra is not None:
         if denominator is None:
             numerator = numerator + extra
         else:
             numerator = numerator + extra * denominator
-    return MicroBatchLoss(numerator, denominator, samples, per_sample)
+    return MicroBatchLoss(numerator, denominator, samples, per_sample, undivided)
 
 
 def custom_loss(value, y_pred, accumulate):
@@ -124,6 +133,7 @@ def kept(micro, keep):
         numerator=micro.numerator * keep,
         denominator=None if micro.denominator is None else micro.denominator * keep,
         samples=micro.samples * keep,
+        undivided=None if micro.undivided is None else micro.undivided * keep,
     )
 
 
@@ -138,11 +148,12 @@ def weight_regularization(model):
     return ops.sum(ops.stack(penalties)) if penalties else None
 
 
-def additional_losses(model):
+def additional_losses(model, excluded=()):
     """Sum of `add_loss()` and activity-regularization losses, or None.
 
     `model.losses` lists these first and the weight regularization penalties
-    last; the penalties are applied once per update instead.
+    last; the penalties are applied once per update instead. Losses in
+    `excluded` (the same tensors) are left out.
     """
     losses = model.losses
     regularized = sum(
@@ -150,10 +161,16 @@ def additional_losses(model):
         for v in model.trainable_weights
         if getattr(v, "regularizer", None) is not None
     )
-    losses = losses[: len(losses) - regularized]
+    left_out = {id(x) for x in excluded}
+    return _total(
+        [x for x in losses[: len(losses) - regularized] if id(x) not in left_out],
+        totals_dtype(model),
+    )
+
+
+def _total(losses, dtype):
     if not losses:
         return None
-    dtype = totals_dtype(model)
     return ops.sum(ops.stack([ops.cast(ops.sum(x), dtype) for x in losses]))
 
 

@@ -158,14 +158,18 @@ class UpdateEngine:
         division after the all-reduce then replaces with the exact
         denominator.
         """
+        if micro.undivided is not None and self.steps > 1:
+            raise _summed_activity_penalties_error(
+                self.model, "gradient_accumulation_steps", self.steps
+            )
         reduced = None
         logged = micro
         if self.steps == 1 and micro.denominator is not None:
-            reduced = self._all_reduced_totals(micro)
-            micro = micro._replace(
-                numerator=tf.math.divide_no_nan(micro.numerator, reduced[1]),
-                denominator=None,
-            )
+            reduced = all_reduced_totals(micro)
+            numerator = tf.math.divide_no_nan(micro.numerator, reduced[1])
+            if micro.undivided is not None:
+                numerator += micro.undivided
+            micro = micro._replace(numerator=numerator, denominator=None, undivided=None)
         objective = micro.numerator
         restore = None
         if self.estimates:
@@ -184,33 +188,13 @@ class UpdateEngine:
         across replicas give exactly that. Where the denominator counts the
         samples (no mask, no `mean_with_sample_weight` weights) the replica's
         own loss, weighted by its samples, sums to the same, with no
-        all-reduce; otherwise the two totals are all-reduced (or taken from
-        `reduced`, the all-reduced numerator and denominator).
+        all-reduce; otherwise the totals are all-reduced (or taken from
+        `reduced`, as `all_reduced_totals` returns them).
         """
-        numerator, denominator = micro.numerator, micro.denominator
-        if self.strategy.num_replicas_in_sync > 1 and not (
-            micro.per_sample and denominator is not None
-        ):
-            if reduced is None:
-                reduced = self._all_reduced_totals(micro)
-            numerator, denominator = reduced[0], reduced[1]
-            if micro.denominator is None:
-                denominator = None
-        if denominator is not None:
-            numerator = tf.math.divide_no_nan(numerator, denominator)
-        return numerator, micro.samples
-
-    def _all_reduced_totals(self, micro):
-        """Replica context: the numerator and denominator summed over the replicas."""
-        denominator = micro.denominator
-        if denominator is None:
-            denominator = tf.zeros((), micro.numerator.dtype)
-        context = tf.distribute.get_replica_context()
-        return tf.unstack(
-            context.all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.stack([micro.numerator, denominator])
-            )
-        )
+        own = micro.per_sample and micro.denominator is not None and micro.undivided is None
+        if reduced is None and self.strategy.num_replicas_in_sync > 1 and not own:
+            reduced = all_reduced_totals(micro)
+        return loss_value(micro, reduced), micro.samples
 
     def denominator_estimate(self, micro):
         """The update's denominator as this share would make it: its own x replicas x steps.
@@ -235,11 +219,13 @@ class UpdateEngine:
         accumulation under a loss scale the estimate is restored as there.
         Returns the `(value, weight)` to log, as `objective()` does.
         """
+        if micro.undivided is not None:
+            raise _summed_activity_penalties_error(self.model, "jit_compile", True)
         restore = None
         reduced = None
         logged = micro
         if self.steps == 1 and micro.denominator is not None:
-            reduced = self._all_reduced_totals(micro)
+            reduced = all_reduced_totals(micro)
             total = reduced[1]
             factor = tf.math.divide_no_nan(estimate, total)
             grads = [None if g is None else _scale(g, factor) for g in grads]
@@ -492,6 +478,55 @@ def _spread_logs(stats):
         logs[f"{name}_mean"] = tf.math.divide_no_nan(stats[_STATS.index(f"{stat}_sum")], updates)
         logs[f"{name}_max"] = stats[_STATS.index(f"{stat}_max")]
     return logs
+
+
+def all_reduced_totals(micro):
+    """Replica context: the numerator, denominator and undivided penalties summed over the replicas.
+
+    One all-reduce; a part the loss does not have is summed as 0.
+    """
+    zero = tf.zeros((), micro.numerator.dtype)
+    parts = [
+        micro.numerator,
+        zero if micro.denominator is None else micro.denominator,
+        zero if micro.undivided is None else micro.undivided,
+    ]
+    context = tf.distribute.get_replica_context()
+    return tf.unstack(context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack(parts)))
+
+
+def loss_value(micro, reduced=None):
+    """A micro-batch's loss: over all replicas' samples from `reduced`, else this replica's.
+
+    Args:
+        micro: the replica's `MicroBatchLoss`.
+        reduced: None, or `all_reduced_totals(micro)`.
+    """
+    numerator, denominator, undivided = micro.numerator, micro.denominator, micro.undivided
+    if reduced is not None:
+        numerator = reduced[0]
+        denominator = None if denominator is None else reduced[1]
+        undivided = None if undivided is None else reduced[2]
+    value = numerator if denominator is None else tf.math.divide_no_nan(numerator, denominator)
+    return value if undivided is None else value + undivided
+
+
+def _summed_activity_penalties_error(model, option, value):
+    layers = [
+        layer.name
+        for layer in _compat.flatten_layers(model)
+        if getattr(layer, "activity_regularizer", None) is not None
+    ]
+    return ValueError(
+        "SafeDistributedModel cannot train activity regularizers exactly with "
+        f"{option}={value!r} on keras {keras.__version__}: before keras 3.14 "
+        "Keras adds an activity penalty summed over the batch, not divided by "
+        "it, and that sum cannot be split into micro-batches or compiled "
+        "shares whose loss is divided once after the all-reduce. Received: "
+        f"{option}={value!r} and activity regularizers on layers {layers}. "
+        f"Use keras >= 3.14, or {option}="
+        f"{1 if option == 'gradient_accumulation_steps' else False}."
+    )
 
 
 def _grow_loss_scale(optimizer):

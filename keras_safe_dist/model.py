@@ -16,6 +16,8 @@ from keras_safe_dist import _warnings
 from keras_safe_dist import _xla
 from keras_safe_dist import nan
 from keras_safe_dist._update import UpdateEngine
+from keras_safe_dist._update import all_reduced_totals
+from keras_safe_dist._update import loss_value
 from keras_safe_dist.audits import scope as _scope
 
 _OPTIMIZER_OPTIONS = {
@@ -612,17 +614,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred, keep = self._forward(x, training=False)
         micro = _loss.kept(_loss.micro_batch_loss(self, y, y_pred, sample_weight), keep)
-        context = tf.distribute.get_replica_context()
-        denominator = micro.denominator
-        if denominator is None:
-            denominator = tf.zeros((), micro.numerator.dtype)
-        numerator, denominator = tf.unstack(
-            context.all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.stack([micro.numerator, denominator])
-            )
-        )
-        if micro.denominator is not None:
-            numerator = tf.math.divide_no_nan(numerator, denominator)
+        # All replicas' totals: one all-reduce of up to three scalars.
+        numerator = loss_value(micro, all_reduced_totals(micro))
         penalty = _loss.weight_regularization(self)
         if penalty is not None:
             numerator += penalty

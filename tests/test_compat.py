@@ -102,7 +102,8 @@ def test_trainer_hooks_exist_and_fit_calls_them():
     assert "self._get_metrics_result_or_logs(logs)" in fit
     assert issubclass(_compat.Functional, keras.Model)
     inputs = keras.Input((1,))
-    assert type(keras.Model(inputs=inputs, outputs=inputs)) is _compat.Functional
+    outputs = keras.layers.Dense(1)(inputs)
+    assert type(keras.Model(inputs=inputs, outputs=outputs)) is _compat.Functional
 
 
 def test_initial_epoch_set_on_the_model_is_where_fit_starts():
@@ -347,3 +348,32 @@ def test_variable_creator_scopes_are_counted_on_this_thread():
         with strategy_for(2).scope():
             assert _compat.variable_creator_count() >= outside + 2
     assert _compat.variable_creator_count() == outside
+
+
+def test_activity_penalty_convention_is_the_installed_keras_one():
+    # keras 3.14 started dividing activity penalties by the batch size; the
+    # probe must find what a model's own layers do.
+    inputs = keras.Input((2,))
+    model = keras.Model(
+        inputs, keras.layers.Dense(1, kernel_initializer="ones", activity_regularizer=keras.regularizers.L1(1.0))(inputs)
+    )
+    model(np.ones((4, 2), "float32"))
+    summed = 4 * 2.0
+    expected = summed / 4 if _compat.activity_penalty_per_sample() else summed
+    assert [float(x) for x in model.losses] == [expected]
+
+
+def test_activity_losses_are_the_regularized_layers_own_losses():
+    class AddsLoss(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(keras.ops.sum(x) * 0.0 + 7.0)
+            return x
+
+    inputs = keras.Input((2,))
+    hidden = keras.layers.Dense(2, activity_regularizer=keras.regularizers.L2(1.0))(inputs)
+    model = keras.Model(inputs, AddsLoss()(hidden))
+    model(np.ones((3, 2), "float32"))
+    activity = _compat.activity_losses(model)
+    assert len(model.losses) == 2 and len(activity) == 1
+    assert activity[0] is not None and float(activity[0]) != 7.0
+    assert any(x is activity[0] for x in model.losses)

@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist import _compat
 
 from conftest import regression_data
 from conftest import relative_error
@@ -265,18 +266,54 @@ def test_first_batch_split_unevenly_trains():
     assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
 
 
-def test_activity_regularizer_matches_one_big_batch(replicas):
-    # Keras divides activity penalties by the batch size, so weighting each
-    # micro-batch's penalty by its share of the samples is exact.
+def _activity_regularized():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(
+        3, activity_regularizer=keras.regularizers.L2(0.5), name="penalized"
+    )(inputs)
+    return inputs, keras.layers.Dense(1)(hidden)
+
+
+def test_activity_regularizer_matches_one_device(replicas):
+    # Each Keras release's own convention (a penalty divided by the batch
+    # size from keras 3.14, summed over the batch before), with an uneven
+    # last batch.
+    x, y, _ = regression_data(45)
+    reference, model = twins(replicas, _activity_regularized, sgd_mse)
+    assert_matches_big_batch(reference, model, x, y, 10, 1)
+    expected = reference.evaluate(x, y, batch_size=10, verbose=0)
+    assert model.evaluate(x, y, batch_size=10, verbose=0) == pytest.approx(expected, rel=1e-5)
+    frozen, logged = twins(replicas, _activity_regularized, lambda: dict(optimizer=keras.optimizers.SGD(0.0), loss="mse"))
+    logged_loss = logged.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0).history["loss"][0]
+    assert logged_loss == pytest.approx(frozen.evaluate(x, y, batch_size=10, verbose=0), rel=1e-5)
+
+
+def test_activity_regularizer_with_accumulation_matches_one_big_batch(replicas):
+    x, y, _ = regression_data(45)
+    reference, model = twins(replicas, _activity_regularized, sgd_mse, gradient_accumulation_steps=3)
+    if _compat.activity_penalty_per_sample():
+        # keras >= 3.14: a per-sample mean, weighted by each micro-batch's
+        # share of the samples.
+        assert_matches_big_batch(reference, model, x, y, 10, 3)
+        return
+    # keras < 3.14 sums the penalty over the batch: not expressible with one
+    # division per update, refused rather than approximated.
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=3 on keras .*'penalized'"):
+        model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+
+
+def test_activity_regularizer_with_xla_on_two_replicas_matches_one_device():
     x, y, _ = regression_data(45)
 
-    def build():
-        inputs = keras.Input((4,))
-        hidden = keras.layers.Dense(3, activity_regularizer=keras.regularizers.L2(0.5))(inputs)
-        return inputs, keras.layers.Dense(1)(hidden)
+    def compile_kwargs():
+        return dict(sgd_mse(), jit_compile=True)
 
-    reference, model = twins(replicas, build, sgd_mse, gradient_accumulation_steps=3)
-    assert_matches_big_batch(reference, model, x, y, 10, 3)
+    reference, model = twins(2, _activity_regularized, compile_kwargs)
+    if _compat.activity_penalty_per_sample():
+        assert_matches_big_batch(reference, model, x, y, 10, 1)
+        return
+    with pytest.raises(ValueError, match=r"jit_compile=True on keras .*'penalized'"):
+        model.fit(x, y, batch_size=10, epochs=1, verbose=0)
 
 
 def _unknown_length(x, y, batch):
