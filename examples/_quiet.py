@@ -4,22 +4,32 @@
 and CUDA probe lines to file descriptor 2 before any log level applies, and
 starting the devices writes "failed call to cuInit" on a machine without a
 GPU. Import TensorFlow through `import_tensorflow()` before anything else.
+TensorFlow 2.18 writes the first of those lines only when a worker's
+strategy starts its server: create that in `native_stderr_silenced()`.
 """
 
+import contextlib
 import os
 import sys
 
 
-def import_tensorflow():
-    """`import tensorflow`, with fd 2 at /dev/null meanwhile; returns the module."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # "failed call to cuInit"
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """File descriptor 2 at /dev/null inside the block (Python's tracebacks come after it)."""
     sys.stderr.flush()
     saved = os.dup(2)
     with open(os.devnull, "w") as null:
         os.dup2(null.fileno(), 2)
     try:
-        import tensorflow
+        yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def import_tensorflow():
+    """`import tensorflow`, with fd 2 at /dev/null meanwhile; returns the module."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # "failed call to cuInit"
+    with native_stderr_silenced():
+        import tensorflow
     return tensorflow

@@ -19,6 +19,7 @@ import os
 import sys
 
 from _quiet import import_tensorflow
+from _quiet import native_stderr_silenced
 
 # Without its C++ start-up lines; first, since importing keras_safe_dist loads
 # TensorFlow too (in the launching process as well).
@@ -29,7 +30,8 @@ if "TF_CONFIG" not in os.environ:
 
     sys.exit(launch(__file__, workers=2, timeout=300))
 
-STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+with native_stderr_silenced():  # TensorFlow 2.18 starts its C++ logging here
+    STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
