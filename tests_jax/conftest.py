@@ -1,0 +1,49 @@
+"""JAX start-up for the JAX tests: two CPU devices, in a pytest process of their own.
+
+The backend and the device count are fixed when keras and jax are imported, so
+these tests cannot share a process with `tests/` (TensorFlow's backend). Run:
+
+    python3 -m pytest -q tests_jax
+"""
+
+import os
+
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+).strip()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+assert keras.backend.backend() == "jax", keras.backend.backend()
+assert len(jax.devices()) == 2, jax.devices()
+
+
+@pytest.fixture(params=[1, 2], ids=["1device", "2devices"])
+def devices(request):
+    """1: no distribution (one device); 2: `DataParallel` over both CPU devices."""
+    if request.param == 1:
+        yield 1
+        return
+    distribution = keras.distribution.DataParallel(devices=jax.devices())
+    with distribution.scope():
+        yield 2
+
+
+@pytest.fixture(autouse=True)
+def _float32_policy():
+    yield
+    keras.config.set_dtype_policy("float32")
+    keras.distribution.set_distribution(None)
+
+
+def regression_data(samples, features=4, outputs=1, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, features)).astype("float32")
+    y = (x @ rng.normal(size=(features, outputs)) + 0.1).astype("float32")
+    weights = rng.uniform(0.2, 2.0, size=(samples,)).astype("float32")
+    return x, y, weights
