@@ -7,18 +7,12 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_safe_dist import _accumulate
 from keras_safe_dist import _compat
-from keras_safe_dist import _loss
-from keras_safe_dist import _shares
 from keras_safe_dist import _validate
 from keras_safe_dist import _warnings
-from keras_safe_dist import _xla
 from keras_safe_dist import nan
-from keras_safe_dist._update import UpdateEngine
-from keras_safe_dist._update import all_reduced_totals
-from keras_safe_dist._update import loss_value
 from keras_safe_dist.audits import scope as _scope
+from keras_safe_dist.backend import Trainer
 
 _OPTIMIZER_OPTIONS = {
     "clipnorm": "clips each replica's gradient before the cross-replica all-reduce",
@@ -46,7 +40,7 @@ def _option(name):
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
-class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
+class SafeDistributedModel(Trainer, keras.Model):
     """A `keras.Model` whose updates stay exact under `tf.distribute`.
 
     `fit()`'s `batch_size` is the micro-batch. The model sums each micro-batch
@@ -172,13 +166,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         # option and the callbacks; the value the train function was built with.
         self._stats_requested = self.log_update_stats
         self._stats_logged = None
-        # Set by fit() from a NaNOnsetDetector among the callbacks.
-        self._nan_probe_request = None
-        self._nan_probe = None
-        # The step compiled with XLA on its own, when NaN checks run before it.
-        self._xla_step = None
-        # jit_compile=True on several replicas: each replica's pass under XLA.
-        self._xla_replicas = False
+        self._reset_step_state()
 
     def _assign_option(self, name, value):
         current = self.__dict__.get("_safe_dist_options", _OPTION_DEFAULTS)
@@ -195,49 +183,6 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         # train_on_batch() builds it, and a new UpdateEngine, again.
         self.train_function = None
         self._update_engine = None
-
-    @property
-    def replica_jit_compile(self):
-        """Whether each replica's forward and backward pass runs under XLA.
-
-        `compile(jit_compile=True)` on several replicas (or on one device for
-        a model whose Embedding rows are kept across accumulated
-        micro-batches) compiles each replica's pass with XLA and keeps the
-        all-reduce and the update outside it, so Keras's `model.jit_compile`
-        reads False there. This flag reads True while that step is in use:
-        False when `jit_compile` was not True, and from the `fit()` that
-        dropped it (a `NaNOnsetDetector`, or an overridden `compute_loss()`,
-        runs the plain step; a warning says so once). Read-only.
-
-        Example:
-
-        ```python
-        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-        print(model.jit_compile, model.replica_jit_compile)  # False True on 2 replicas
-        ```
-        """
-        return self._xla_replicas and self._xla_dropped_by() is None
-
-    def _xla_dropped_by(self):
-        """What makes the step drop the per-replica XLA pass, or None."""
-        if self._nan_probe is not None:
-            return "a NaNOnsetDetector (its in-step checks run in the plain step)"
-        if _compat.compute_loss_is_overridden(self):
-            return f"the overridden compute_loss() of {type(self).__name__}"
-        return None
-
-    def _warn_if_xla_dropped(self):
-        """Says once per model that jit_compile=True is not applied, and why."""
-        reason = self._xla_dropped_by() if self._xla_replicas else None
-        if reason is None or self.__dict__.get("_xla_drop_warned"):
-            return
-        self.__dict__["_xla_drop_warned"] = True
-        _warnings.warn(
-            f"compile(jit_compile=True) asked for XLA, but with {reason} model "
-            f"'{self.name}' trains with the plain step, without XLA "
-            "(model.replica_jit_compile reads False while it does). Remove "
-            "that to train each replica's pass under XLA."
-        )
 
     def get_config(self):
         config = super().get_config()
@@ -317,8 +262,7 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         """
         inputs, outputs = _model_graph(model, input_shape)
         wrapped = cls(inputs=inputs, outputs=outputs, name=model.name, **options)
-        if tf.distribute.has_strategy():
-            _scope.check_scope("SafeDistributedModel.from_model()", wrapped)
+        wrapped._check_placement("SafeDistributedModel.from_model()")
         return wrapped
 
     def compile(self, *args, **kwargs):
@@ -368,44 +312,15 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
                 "is applied with it. Received: optimizer=None. Pass an optimizer "
                 "or its name (e.g. optimizer='sgd'), or leave the default."
             )
-        own = _compat.model_strategy(self)
-        if own is not None and not tf.distribute.has_strategy():
-            with own.scope():
-                return self.compile(*args, **kwargs)
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            optimizer = None  # a name, or the parent's default: built by compile()
-        else:
+        if isinstance(optimizer, keras.optimizers.Optimizer):
             _check_optimizer(optimizer)
-        metrics = [
-            m
-            for key in ("metrics", "weighted_metrics")
-            for m in keras.tree.flatten(kwargs.get(key) or [])
-            if isinstance(m, keras.metrics.Metric)
-        ]
-        _scope.check_scope(
-            "SafeDistributedModel.compile()", self, optimizer=optimizer, metrics=metrics
-        )
+        # The backend's trainer places and compiles (keras_safe_dist/backend/).
         super().compile(*args, **kwargs)
         try:
             _check_optimizer(self.optimizer)
         except ValueError:
             self.compiled = False
             raise
-        replicas = self.distribute_strategy.num_replicas_in_sync
-        self._xla_replicas = False
-        keeps_rows = self.gradient_accumulation_steps > 1 and bool(
-            _accumulate.row_variables(self)
-        )
-        if self.jit_compile and (replicas > 1 or keeps_rows):
-            # Keras would compile the whole step, cross-replica update
-            # included, which XLA cannot hold, nor the rows of an Embedding's
-            # gradients kept across micro-batches; each replica's pass is
-            # compiled instead, and only when asked for: on CPU it rarely
-            # pays.
-            if kwargs.get("jit_compile", "auto") is True and not self.run_eagerly:
-                _xla.check_model(self)
-                self._xla_replicas = True
-            self.jit_compile = False
         self._update_engine = None
 
     def compile_from_config(self, config):
@@ -462,11 +377,8 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
         history = model.fit(x, y, batch_size=32, epochs=3)  # 32 samples per micro-batch
         ```
         """
-        _scope.check_scope("SafeDistributedModel.fit()", self)
         _check_has_samples("fit", _fit_data(args, kwargs)[0])
-        _check_sparse_split(
-            self.distribute_strategy.num_replicas_in_sync, *_fit_data(args, kwargs)
-        )
+        self._check_fit_data(*_fit_data(args, kwargs))
         position = _FIT_CALLBACKS_POSITION
         args = list(args)
         if len(args) > position:
@@ -519,188 +431,6 @@ class SafeDistributedModel(_compat.TrainerOverrides, keras.Model):
             callbacks.callbacks.insert(0, callback)
             return callbacks
         return [callback] + list(callbacks or [])
-
-    def make_train_function(self, force=False):
-        built = self._nan_probe.request if self._nan_probe is not None else None
-        if built != self._nan_probe_request:
-            force = True  # a NaNOnsetDetector was added or removed
-        if self._stats_logged != self._stats_requested:
-            force = True  # the update statistics were asked for, or no more
-        if self.train_function is not None and not force:
-            return self.train_function
-        self._stats_logged = self._stats_requested
-        with self.distribute_strategy.scope():
-            if not self.optimizer.built:
-                self.optimizer.build(self.trainable_variables)
-        # XLA cannot resize a variable, so a step it compiles whole sums the
-        # rows of sparse gradients.
-        self._update_engine = UpdateEngine(self, rows=not self.jit_compile)
-        self._nan_probe = None
-        if self._nan_probe_request is not None:
-            self._nan_probe = nan.NaNProbe(
-                self, self._nan_probe_request, _compat.train_data_specs(self)
-            )
-        self._xla_step = None
-        # With several steps per execution, the execution ends at the step
-        # the detector reports, so that its batch and weights are still held.
-        self._execution_ends = self._nan_probe
-        self._warn_if_xla_dropped()
-        try:
-            return self._make_train_function(force)
-        finally:
-            self._execution_ends = None
-
-    def _make_train_function(self, force):
-        if self._nan_probe is None or not self.jit_compile:
-            return super().make_train_function(force=force)
-        # XLA cannot assign a batch of another shape to the capture variables,
-        # and copies the weights where a plain step shares their buffers; the
-        # weight check costs more inside the compiled step than before it
-        # (docs/benchmarks.md). So compile the step with XLA on
-        # its own, and capture, copy and check before it. Held in a plain
-        # function: SavedModel exports a model's tf.function attributes, and
-        # cannot export a train step.
-        xla_step = tf.function(self._step, jit_compile=True, reduce_retracing=True)
-        self._xla_step = lambda data: xla_step(data)
-        self.jit_compile = False
-        try:
-            return super().make_train_function(force=force)
-        finally:
-            self.jit_compile = True
-
-    def train_step(self, data):
-        probe = self._nan_probe
-        if probe is None:
-            return self._step(data)
-        weight_terms = probe.begin_step(data)
-        if self._xla_step is None:
-            return self._step(data, weight_terms)
-        # The compiled step keeps every core busy: the weights' sums, run
-        # beside it, slowed it down more than running them first.
-        with tf.control_dependencies(weight_terms):
-            logs = self._xla_step(data)
-        return probe.with_weight_flags(logs, weight_terms)
-
-    def _forward(self, x, training):
-        """`(y_pred, keep)`: the forward pass, guarded against an empty share."""
-
-        def call(inputs):
-            if _compat.call_has_training_arg(self):
-                return self(inputs, training=training)
-            return self(inputs)
-
-        return _shares.EmptyShareGuard(self).forward(x, call)
-
-    def predict_step(self, data):
-        """Stock `predict_step`, also on a replica whose share is empty."""
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred, _ = self._forward(x, training=False)
-        return y_pred
-
-    def test_step(self, data):
-        """Stock `test_step`, with the loss of each batch as one device sees it.
-
-        Stock Keras averages each replica's loss with its sample count, which
-        mis-weights it when a batch splits unevenly (by sample weights, or
-        by a mask, or by `mean_with_sample_weight`). Here the replicas
-        all-reduce their loss numerator and denominator (two scalars), so
-        each batch's loss is the one-device value, weighted by its samples.
-        """
-        if (
-            _compat.compute_loss_is_overridden(self)
-            or _compat.compile_loss(self) is None
-        ):
-            return super().test_step(data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred, keep = self._forward(x, training=False)
-        micro = _loss.kept(_loss.micro_batch_loss(self, y, y_pred, sample_weight), keep)
-        # All replicas' totals: one all-reduce of up to three scalars.
-        numerator = loss_value(micro, all_reduced_totals(micro))
-        penalty = _loss.weight_regularization(self)
-        if penalty is not None:
-            numerator += penalty
-        _compat.loss_tracker(self).update_state(numerator, sample_weight=micro.samples)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    def _step(self, data, weight_terms=()):
-        engine = self._update_engine
-        if self._xla_replicas and not engine.custom_loss and self._nan_probe is None:
-            return self._multi_worker_logs(_xla.replica_step(self, data))
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        probe = self._nan_probe
-        with tf.GradientTape() as tape:
-            y_pred, keep = self._forward(x, training=True)
-            if engine.custom_loss:
-                loss = _compat.compute_loss(self, x, y, y_pred, sample_weight)
-                micro = _loss.custom_loss(loss, y_pred, engine.steps > 1)
-            else:
-                micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
-            micro = _loss.kept(micro, keep)
-            contribution, objective, restore, logged = engine.objective(micro)
-        grads = tape.gradient(objective, self.trainable_weights)
-        engine.after_micro_batch(grads, contribution, restore)
-        if engine.custom_loss:
-            self._track_custom_loss(loss, x)
-        else:
-            self._track_loss(logged)
-        logs = self._step_logs(x, y, y_pred, sample_weight)
-        if probe is not None:
-            logs.update(
-                probe.logs((x, y, sample_weight), micro.numerator, grads, weight_terms)
-            )
-        return self._multi_worker_logs(logs)
-
-    def _step_logs(self, x, y, y_pred, sample_weight):
-        """The metrics' logs of a train step, with the update statistics if logged."""
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if self._stats_logged:
-            logs.update(self._update_engine.logs())
-        return logs
-
-    def _multi_worker_logs(self, logs):
-        if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            # Keras reduces step outputs across workers with
-            # `strategy.reduce("MEAN", value, axis=0)`, which needs rank >= 1;
-            # the reduced value is a scalar again.
-            logs = keras.tree.map_structure(lambda v: tf.reshape(v, [1]), logs)
-        return logs
-
-    def _end_epoch_steps(self, logs):
-        # A partial group pending at the end of an epoch (one of unknown
-        # length, or stopped early) is applied here, before validation and the
-        # epoch-end callbacks read the weights.
-        engine = self._update_engine
-        if engine is None or not engine.end_epoch():
-            return logs
-        if self._stats_logged and isinstance(logs, dict):
-            logs = {**logs, **{k: float(v) for k, v in engine.logs().items()}}
-        return logs
-
-    def _update_log_names(self):
-        names = UpdateEngine.LOG_NAMES if self._stats_logged else ()
-        if self._nan_probe is not None:
-            names += self._nan_probe.log_names
-        return names
-
-    def _track_custom_loss(self, loss, x):
-        # As stock Keras logs the value of an overridden compute_loss().
-        tracker = _compat.loss_tracker(self)
-        samples = tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
-        tracker.update_state(_compat.unscale_loss(loss), sample_weight=samples)
-
-    def _track_loss(self, logged):
-        """Logs a micro-batch's loss as stock Keras on one device logs a batch's.
-
-        Args:
-            logged: `(value, weight)` from the update engine: the loss over
-                every replica's samples of the micro-batch, and this
-                replica's sample count.
-        """
-        value, weight = logged
-        penalty = _loss.weight_regularization(self)
-        if penalty is not None:
-            value = value + penalty
-        _compat.loss_tracker(self).update_state(value, sample_weight=weight)
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
@@ -972,26 +702,6 @@ def _check_has_samples(method, x):
         f"(stock Keras runs no step and returns an empty result). Received: "
         f"{received}. Pass data with at least one sample."
     )
-
-
-def _check_sparse_split(replicas, x, batch_size):
-    sparse = [t for t in keras.tree.flatten(x) if isinstance(t, tf.SparseTensor)]
-    if replicas < 2 or not sparse:
-        return
-    samples = int(sparse[0].dense_shape[0])
-    batch_size = 32 if batch_size is None else int(batch_size)
-    last = samples % batch_size
-    if 0 < last < replicas:
-        raise ValueError(
-            f"The last batch of this fit() holds {last} sample(s) for {replicas} "
-            "replicas, so a replica would get an empty share of a "
-            "tf.SparseTensor input, which TensorFlow's input pipeline cannot "
-            "split (stock Keras fails with 'Serialized sparse should have at "
-            f"least 1 serialized tensor'). Received: {samples} samples, "
-            f"batch_size={batch_size}. Choose a batch_size that leaves at "
-            f"least {replicas} samples in the last batch, or drop the "
-            f"remainder (e.g. train on the first {samples - last} samples)."
-        )
 
 
 def _requests_update_stats(callbacks):

@@ -1,0 +1,1 @@
+"""JAX's trainer for `SafeDistributedModel`."""

@@ -1,0 +1,1 @@
+"""TensorFlow's trainer for `SafeDistributedModel`."""
