@@ -65,6 +65,15 @@ def activity_losses(model):
     ]
 
 
+def _outside_traces():
+    """A context in which ops run eagerly, also while a step is being traced."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.ensure_compile_time_eval()
+    return tf.init_scope()
+
+
 @functools.cache
 def activity_penalty_per_sample():
     """Whether Keras divides a layer's activity penalty by the layer's batch size.
@@ -76,14 +85,14 @@ def activity_penalty_per_sample():
     Raises:
         RuntimeError: the installed Keras follows neither convention.
     """
-    with tf.init_scope(), keras.StatelessScope(collect_losses=True):
+    with _outside_traces(), keras.StatelessScope(collect_losses=True):
         layer = keras.layers.Activation(
             "linear",
             activity_regularizer=keras.regularizers.L1(1.0),
             # Named, so that it takes no automatic name from the user's layers.
             name="keras_safe_dist_activity_probe",
         )
-        layer(tf.ones((4, 1)))
+        layer(keras.ops.ones((4, 1)))
         penalty = float(layer.losses[0])
     if penalty not in (1.0, 4.0):
         raise RuntimeError(
@@ -266,8 +275,33 @@ def copy_options_on_clone(copy_options):
     _keras_cloning._clone_functional_model = clone_functional_model
 
 
-class TrainerOverrides:
-    """Replacements for two private `keras.Model` methods that `fit()` calls.
+class EpochEndOverride:
+    """Replaces the private `keras.Model` method every backend's `fit()` calls at an epoch's end.
+
+    A class using this mixin implements `_update_log_names()`, the names its
+    train step adds to the logs besides the metrics, and
+    `_end_epoch_steps(logs)`, called when an epoch's steps are done, before
+    Keras reads the epoch's logs, runs validation or calls `on_epoch_end`.
+    """
+
+    def _get_metrics_result_or_logs(self, logs):
+        # Keras calls this once an epoch's steps are done, before validation
+        # and the epoch-end callbacks.
+        logs = self._end_epoch_steps(logs)
+        # Keras replaces an epoch's last-step logs (each a mean of per-replica
+        # results) with the metrics read across replicas, but only when the
+        # keys match exactly. Keep that exact read with extra log names.
+        names = self._update_log_names()
+        if isinstance(logs, dict) and all(name in logs for name in names):
+            metric_logs = {k: v for k, v in logs.items() if k not in names}
+            result = dict(super()._get_metrics_result_or_logs(metric_logs))
+            result.update({name: logs[name] for name in names})
+            return result
+        return super()._get_metrics_result_or_logs(logs)
+
+
+class TrainerOverrides(EpochEndOverride):
+    """Replacements for the private `keras.Model` methods TensorFlow's `fit()` calls.
 
     A class using this mixin implements `_update_log_names()`, the names its
     `train_step` adds to the logs besides the metrics, and
@@ -316,22 +350,6 @@ class TrainerOverrides:
         return _multi_step_function(
             strategy, step_function, self.steps_per_execution, ends
         )
-
-    def _get_metrics_result_or_logs(self, logs):
-        # Keras calls this once an epoch's steps are done, before validation
-        # and the epoch-end callbacks.
-        logs = self._end_epoch_steps(logs)
-        # Keras replaces an epoch's last-step logs (each a mean of per-replica
-        # results) with the metrics read across replicas, but only when the
-        # keys match exactly. Keep that exact read with extra log names.
-        names = self._update_log_names()
-        if isinstance(logs, dict) and all(name in logs for name in names):
-            metric_logs = {k: v for k, v in logs.items() if k not in names}
-            result = dict(super()._get_metrics_result_or_logs(metric_logs))
-            result.update({name: logs[name] for name in names})
-            return result
-        return super()._get_metrics_result_or_logs(logs)
-
 
 def _multi_step_function(strategy, step_function, steps, ends=None):
     """A train or test function running up to `steps` steps per call on several replicas.
@@ -464,4 +482,89 @@ def _spec_tensor(spec):
         dtype=spec.dtype.name,
         sparse=isinstance(spec, tf.SparseTensorSpec),
         ragged=isinstance(spec, tf.RaggedTensorSpec),
+    )
+
+
+# JAX (keras.distribution). jax is imported inside these functions only: on
+# TensorFlow's backend importing keras_safe_dist must not import it.
+
+
+@contextlib.contextmanager
+def losses_override(model, losses):
+    """While open, `model.losses` reads `losses`, as Keras's JAX step sets them.
+
+    `stateless_call(..., return_losses=True)` returns the forward pass's
+    `add_loss()` and activity losses instead of leaving them on the layers.
+    """
+    model._losses_override.clear()
+    model._losses_override = list(losses)
+    try:
+        yield
+    finally:
+        model._losses_override.clear()
+
+
+def jax_data_placement():
+    """The module whose `distribute_data_input` Keras's JAX trainer places each batch with."""
+    from keras.src.backend.jax import distribution_lib
+
+    return distribution_lib
+
+
+@contextlib.contextmanager
+def uneven_batches_replicated():
+    """While open, Keras's JAX trainer places a batch the data axis does not divide replicated.
+
+    Keras shards each global batch along the distribution's batch axis, which
+    fails (`IndivisibleError`) when the device count does not divide the
+    batch. Such a batch is placed whole on every device instead: each device
+    computes the same step on every sample, the one-device result, without
+    the data-parallel speed-up. Divisible batches are placed as Keras places
+    them. Re-entrant; restores Keras's function on exit.
+    """
+    module = jax_data_placement()
+    original = module.distribute_data_input
+    if getattr(original, "_keras_safe_dist", False):
+        yield
+        return
+
+    def distribute_data_input(per_process_batch, layout, batch_dim_name):
+        replicated = _replicated_if_indivisible(per_process_batch, layout)
+        if replicated is None:
+            return original(per_process_batch, layout, batch_dim_name)
+        return replicated
+
+    distribute_data_input._keras_safe_dist = True
+    module.distribute_data_input = distribute_data_input
+    try:
+        yield
+    finally:
+        module.distribute_data_input = original
+
+
+def _replicated_if_indivisible(batch, layout):
+    import jax
+    from keras.src.distribution import TensorLayout
+
+    if isinstance(layout, TensorLayout):
+        layout = layout.backend_layout
+    spec = getattr(layout, "spec", None)
+    if spec is None or len(spec) == 0 or spec[0] is None or not batch.shape:
+        return None
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    parts = 1
+    for axis in axes:
+        parts *= layout.mesh.shape[axis]
+    if batch.shape[0] % parts == 0:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"A batch of {batch.shape[0]} samples on this process does not split "
+            f"across the {parts} shards of the data-parallel axis, and with "
+            f"{jax.process_count()} processes it cannot be placed whole on every "
+            "device (each process holds different samples). Use a batch size "
+            f"divisible by {parts}, and drop or pad the remainder of the data."
+        )
+    return jax.device_put(
+        batch, jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
     )

@@ -1,0 +1,583 @@
+"""JAX's train step for `SafeDistributedModel`, under `keras.distribution`.
+
+On JAX every array is global: under `DataParallel` a batch is sharded across
+the devices and XLA sums the gradient across them inside the compiled step,
+so the step already sees the whole batch, as one device would. What this
+module adds to Keras's JAX trainer is what it lacks there: exact
+sample-weighted accumulation over micro-batches, clipping after it,
+skipping non-finite updates, the update statistics, and batches that the
+device count does not divide (placed whole on every device, see
+`_compat.uneven_batches_replicated`).
+
+The accumulation state lives in `keras.Variable`s that Keras threads through
+its jitted step with the metrics' variables (`metrics_variables` lists them
+after the metrics'). What does not depend on the backend (the options, the
+loss numerator/denominator rule in `_loss`, the epoch boundary) is in
+keras_safe_dist/model.py; TensorFlow's step is in
+keras_safe_dist/backend/tensorflow/trainer.py.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras import ops
+
+from keras_safe_dist import _compat
+from keras_safe_dist import _loss
+from keras_safe_dist import statistics
+
+# The per-update statistics kept in one float32 vector (JAX has no float64
+# unless x64 is enabled); the same names and meanings as TensorFlow's
+# `_update._STATS`.
+_STATS = (
+    "grad_norm",
+    "samples_per_update",
+    "updates_in_epoch",
+    "clipped_in_epoch",
+    "skipped_updates",
+    "skipped_in_epoch",
+    "first_skip",
+    "first_skip_samples",
+    "grad_norm_min",
+    "grad_norm_sum",
+    "grad_norm_max",
+    "samples_min",
+    "samples_sum",
+    "samples_max",
+)
+_KEPT_ACROSS_EPOCHS = (1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0) + (0.0,) * 6
+# numerator, denominator, samples and micro-batches of the pending group
+_TOTALS = 4
+
+
+class JAXTrainer(_compat.EpochEndOverride):
+    """The JAX half of `SafeDistributedModel`: its step, placed before `keras.Model`."""
+
+    def _reset_step_state(self):
+        # NaNOnsetDetector's in-step checks are TensorFlow's; on JAX the
+        # detector reads the logged loss and the update statistics.
+        self._nan_probe_request = None
+        self._nan_probe = None
+        self.__dict__["_engine_hidden"] = False
+
+    @property
+    def replica_jit_compile(self):
+        """False on JAX: Keras's `jit_compile` compiles the whole step, as in stock Keras."""
+        return False
+
+    def _check_placement(self, where, optimizer=None, metrics=()):
+        """No strategy scope on JAX: `keras.distribution` lays out variables wherever created."""
+
+    def _check_fit_data(self, x, batch_size):
+        """Every batch size works on JAX (see `_compat.uneven_batches_replicated`)."""
+
+    @property
+    def metrics_variables(self):
+        """The metrics' variables, then the update engine's (Keras threads both through its step)."""
+        variables = super().metrics_variables
+        engine = self._update_engine
+        if engine is None or self.__dict__.get("_engine_hidden"):
+            return variables
+        return variables + engine.variables
+
+    @contextlib.contextmanager
+    def _engine_out_of_metrics(self):
+        self.__dict__["_engine_hidden"] = True
+        try:
+            yield
+        finally:
+            self.__dict__["_engine_hidden"] = False
+
+    # Every way data enters Keras's JAX trainer: batches the data axis does
+    # not divide are placed whole on each device.
+
+    def fit(self, *args, **kwargs):
+        with _compat.uneven_batches_replicated():
+            return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with _compat.uneven_batches_replicated():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with _compat.uneven_batches_replicated():
+            return super().predict(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        with _compat.uneven_batches_replicated():
+            return super().train_on_batch(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        with _compat.uneven_batches_replicated():
+            return super().test_on_batch(*args, **kwargs)
+
+    def predict_on_batch(self, *args, **kwargs):
+        with _compat.uneven_batches_replicated():
+            return super().predict_on_batch(*args, **kwargs)
+
+    def make_train_function(self, force=False):
+        if self._stats_logged != self._stats_requested:
+            force = True  # the update statistics were asked for, or no more
+        if self.train_function is not None and not force:
+            return self.train_function
+        self._stats_logged = self._stats_requested
+        if not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
+        engine = self._update_engine
+        if engine is None or engine.stale():
+            if engine is not None:
+                engine.flush()
+            self._update_engine = JAXUpdateEngine(self)
+        return super().make_train_function(force=True)
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_values, metrics_values = state
+        engine = self._update_engine
+        split = len(metrics_values) - len(engine.variables)
+        metrics_values, engine_values = metrics_values[:split], metrics_values[split:]
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with self._engine_out_of_metrics():
+            grad_fn = jax.value_and_grad(self._objective, has_aux=True)
+            (_, aux), grads = grad_fn(
+                trainable,
+                non_trainable,
+                metrics_values,
+                optimizer_values,
+                x,
+                y,
+                sample_weight,
+            )
+            micro, logged, y_pred, non_trainable, metrics_values = aux
+            trainable, optimizer_values, engine_values = engine.after_micro_batch(
+                grads, micro, trainable, optimizer_values, engine_values
+            )
+            logs, metrics_values = self._metrics_logs(
+                metrics_values, trainable, logged, x, y, y_pred, sample_weight
+            )
+        if self._stats_logged:
+            logs.update(engine.logs(engine_values))
+        state = (trainable, non_trainable, optimizer_values, metrics_values + engine_values)
+        return logs, state
+
+    def test_step(self, state, data):
+        """Keras's JAX `test_step`, with the update engine's state passed through."""
+        trainable, non_trainable, metrics_values = state
+        engine = self._update_engine
+        split = len(metrics_values) - (0 if engine is None else len(engine.variables))
+        metrics_values, engine_values = metrics_values[:split], metrics_values[split:]
+        with self._engine_out_of_metrics():
+            logs, state = super().test_step(
+                (trainable, non_trainable, metrics_values), data
+            )
+        trainable, non_trainable, metrics_values = state
+        return logs, (trainable, non_trainable, list(metrics_values) + list(engine_values))
+
+    def _objective(
+        self, trainable, non_trainable, metrics_values, optimizer_values, x, y, sample_weight
+    ):
+        """The scalar to differentiate for one micro-batch, and what the step needs besides."""
+        kwargs = {"training": True} if _compat.call_has_training_arg(self) else {}
+        y_pred, non_trainable, losses = self.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs
+        )
+        mapping = [
+            *zip(self.trainable_variables, trainable),
+            *zip(self.non_trainable_variables, non_trainable),
+            *zip(self.metrics_variables, metrics_values),
+        ]
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            with _compat.losses_override(self, losses):
+                micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
+        metrics_values = _current_values(scope, self.metrics_variables, metrics_values)
+        engine = self._update_engine
+        objective, logged = engine.objective(micro)
+        if engine.loss_scale is not None:
+            with keras.StatelessScope(
+                state_mapping=list(zip(self.optimizer.variables, optimizer_values))
+            ):
+                objective = engine.loss_scale.scale_loss(objective)
+        aux = (micro, logged, y_pred, non_trainable, metrics_values)
+        return objective, aux
+
+    def _metrics_logs(self, metrics_values, trainable, logged, x, y, y_pred, sample_weight):
+        """Updates the loss tracker with the one-device loss, then the compiled metrics."""
+        value, weight = logged
+        mapping = [
+            *zip(self.trainable_variables, trainable),
+            *zip(self.metrics_variables, metrics_values),
+        ]
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            penalty = _loss.weight_regularization(self)
+            if penalty is not None:
+                value = value + penalty
+            _compat.loss_tracker(self).update_state(value, sample_weight=weight)
+            logs = self.compute_metrics(x, y, y_pred, sample_weight)
+        return logs, _current_values(scope, self.metrics_variables, metrics_values)
+
+    def _end_epoch_steps(self, logs):
+        # A partial group pending at the end of an epoch is applied here,
+        # before validation and the epoch-end callbacks read the weights.
+        engine = self._update_engine
+        if engine is None or not engine.end_epoch():
+            return logs
+        if self._stats_logged and isinstance(logs, dict):
+            logs = {**logs, **{k: float(v) for k, v in engine.logs().items()}}
+        return logs
+
+    def _update_log_names(self):
+        return statistics.LOG_NAMES if self._stats_logged else ()
+
+
+class JAXUpdateEngine:
+    """Accumulators, counters and the update logic of one SafeDistributedModel on JAX.
+
+    Its methods that take values are pure functions of them, traced inside
+    Keras's jitted step; the host-side ones (`begin_fit`, `begin_epoch`,
+    `end_epoch`, `flush`, `first_skip`) read or write the variables between
+    steps, a few times per epoch.
+    """
+
+    LOG_NAMES = statistics.LOG_NAMES
+
+    def __init__(self, model):
+        self.model = model
+        self.steps = model.gradient_accumulation_steps
+        self.options = dict(model.__dict__["_safe_dist_options"])
+        self.loss_scale = _loss_scale_optimizer(model.optimizer)
+        self.dtype = _loss.totals_dtype(model)
+        self.epoch_open = False
+        trainable = model.trainable_variables
+        self.sums = []
+        if self.steps > 1:
+            self.sums = [
+                keras.Variable(
+                    ops.zeros(v.shape, _accumulator_dtype(v.dtype)),
+                    trainable=False,
+                    name=f"safe_dist_sum_{i}",
+                )
+                for i, v in enumerate(trainable)
+            ]
+        self.totals = keras.Variable(
+            ops.zeros((_TOTALS,), self.dtype), trainable=False, name="safe_dist_totals"
+        )
+        self.stats = keras.Variable(
+            ops.zeros((len(_STATS),), "float32"), trainable=False, name="safe_dist_stats"
+        )
+        self.variables = [*self.sums, self.totals, self.stats]
+        self._flush_function = jax.jit(self._flush_values)
+
+    def stale(self):
+        """Whether the model's options or optimizer changed since this engine was built."""
+        model = self.model
+        return (
+            self.options != model.__dict__["_safe_dist_options"]
+            or self.loss_scale is not _loss_scale_optimizer(model.optimizer)
+            or len(self.sums) not in (0, len(model.trainable_variables))
+        )
+
+    # Host side.
+
+    def begin_fit(self):
+        self.stats.assign(ops.zeros((len(_STATS),), "float32"))
+
+    def begin_epoch(self, steps):
+        self.epoch_open = True
+        kept = ops.convert_to_tensor(_KEPT_ACROSS_EPOCHS, "float32")
+        self.stats.assign(self.stats.value * kept)
+
+    def end_epoch(self):
+        """Applies the epoch's pending partial group, once per epoch; returns whether one was."""
+        if not self.epoch_open:
+            return False
+        self.epoch_open = False
+        return self.flush()
+
+    def flush(self):
+        """Applies a partially filled group; returns whether one was pending."""
+        if self.steps == 1 or float(self.totals.value[3]) == 0:
+            return False
+        model = self.model
+        trainable = [v.value for v in model.trainable_variables]
+        optimizer_values = [v.value for v in model.optimizer.variables]
+        values = [v.value for v in self.variables]
+        trainable, optimizer_values, values = self._flush_function(
+            trainable, optimizer_values, values
+        )
+        for variable, value in zip(model.trainable_variables, trainable):
+            variable.assign(value)
+        for variable, value in zip(model.optimizer.variables, optimizer_values):
+            variable.assign(value)
+        for variable, value in zip(self.variables, values):
+            variable.assign(value)
+        return True
+
+    def logs(self, values=None):
+        """The values this engine adds to the logs (from `values`, or the variables)."""
+        stats = values[-1] if values is not None else self.stats.value
+        stat = dict(zip(_STATS, (stats[i] for i in range(len(_STATS)))))
+        updates = stat["updates_in_epoch"]
+        logs = {
+            "grad_norm": stat["grad_norm"],
+            "clip_rate": _divide_no_nan(stat["clipped_in_epoch"], updates),
+            "skipped_updates": stat["skipped_updates"],
+            "samples_per_update": stat["samples_per_update"],
+        }
+        for name, key in (("grad_norm", "grad_norm"), ("samples_per_update", "samples")):
+            logs[f"{name}_min"] = stat[f"{key}_min"]
+            logs[f"{name}_mean"] = _divide_no_nan(stat[f"{key}_sum"], updates)
+            logs[f"{name}_max"] = stat[f"{key}_max"]
+        return {name: logs[name] for name in self.LOG_NAMES}
+
+    def first_skip(self):
+        """`(update index, samples)` of the epoch's first skipped update, or None."""
+        stats = dict(zip(_STATS, (float(v) for v in self.stats.value)))
+        if stats["skipped_in_epoch"] == 0:
+            return None
+        return int(stats["first_skip"]) - 1, int(stats["first_skip_samples"])
+
+    # Traced inside the step.
+
+    def objective(self, micro):
+        """`(objective, (value, weight) to log)` for one micro-batch.
+
+        Without accumulation the objective is the micro-batch's loss, as
+        stock Keras differentiates it. With accumulation it is the numerator
+        divided by an estimate of the group's denominator (this micro-batch's
+        times the group's size), so that float16 and loss-scaled gradients
+        keep the magnitude of one big batch's; `after_micro_batch` multiplies
+        the accumulated gradient back by the estimate and divides the sum by
+        the group's exact denominator.
+        """
+        if micro.undivided is not None and self.steps > 1:
+            from keras_safe_dist._update import _summed_activity_penalties_error
+
+            raise _summed_activity_penalties_error(
+                self.model, "gradient_accumulation_steps", self.steps
+            )
+        value = micro.numerator
+        if micro.denominator is not None:
+            value = _divide_no_nan(micro.numerator, micro.denominator)
+        if micro.undivided is not None:
+            value = value + micro.undivided
+        logged = (value, micro.samples)
+        if self.steps == 1:
+            return value, logged
+        return micro.numerator / jax.lax.stop_gradient(self._estimate(micro)), logged
+
+    def _estimate(self, micro):
+        if micro.denominator is None:
+            return jnp.ones((), micro.numerator.dtype)
+        estimate = micro.denominator * float(self.steps)
+        return jnp.where(estimate > 0, estimate, jnp.ones_like(estimate))
+
+    def after_micro_batch(self, grads, micro, trainable, optimizer_values, values):
+        """`(trainable, optimizer_values, engine values)` after one micro-batch."""
+        sums, totals, stats = values[: len(self.sums)], values[-2], values[-1]
+        grads = [g.astype(_accumulator_dtype(g.dtype)) for g in grads]
+        scale = self._scale(optimizer_values)
+        if scale is not None:
+            grads = [g / scale.astype(g.dtype) for g in grads]
+        denominator = (
+            jnp.zeros((), self.dtype) if micro.denominator is None else micro.denominator
+        )
+        step_totals = jnp.stack(
+            [
+                micro.numerator.astype(self.dtype),
+                denominator.astype(self.dtype),
+                micro.samples.astype(self.dtype),
+                jnp.ones((), self.dtype),
+            ]
+        )
+        if self.steps == 1:
+            loss = micro.numerator if micro.denominator is None else _divide_no_nan(
+                micro.numerator, micro.denominator
+            )
+            trainable, optimizer_values, stats = self._update(
+                grads, loss, step_totals[2], trainable, optimizer_values, stats
+            )
+            return trainable, optimizer_values, [totals, stats]
+        estimate = self._estimate(micro)
+        first = totals[3] == 0
+        sums = [
+            jnp.where(first, g * estimate.astype(g.dtype), s + g * estimate.astype(g.dtype))
+            for s, g in zip(sums, grads)
+        ]
+        totals = jnp.where(first, step_totals, totals + step_totals)
+        self.normalized = micro.denominator is not None
+
+        def update(operands):
+            trainable, optimizer_values, sums, totals, stats = operands
+            trainable, optimizer_values, stats = self._update_from_sums(
+                sums, totals, trainable, optimizer_values, stats
+            )
+            return trainable, optimizer_values, sums, jnp.zeros_like(totals), stats
+
+        trainable, optimizer_values, sums, totals, stats = jax.lax.cond(
+            totals[3] >= self.steps,
+            update,
+            lambda operands: operands,
+            (trainable, optimizer_values, sums, totals, stats),
+        )
+        return trainable, optimizer_values, [*sums, totals, stats]
+
+    def _flush_values(self, trainable, optimizer_values, values):
+        sums, totals, stats = values[: len(self.sums)], values[-2], values[-1]
+        trainable, optimizer_values, stats = self._update_from_sums(
+            sums, totals, trainable, optimizer_values, stats
+        )
+        return trainable, optimizer_values, [*sums, jnp.zeros_like(totals), stats]
+
+    def _update_from_sums(self, sums, totals, trainable, optimizer_values, stats):
+        numerator, denominator, samples = totals[0], totals[1], totals[2]
+        if getattr(self, "normalized", True):
+            grads = [_divide_no_nan(s, denominator.astype(s.dtype)) for s in sums]
+            loss = _divide_no_nan(numerator, denominator)
+        else:
+            grads, loss = list(sums), numerator
+        return self._update(grads, loss, samples, trainable, optimizer_values, stats)
+
+    def _update(self, grads, loss, samples, trainable, optimizer_values, stats):
+        """Adds the weight penalty's gradient, clips, then applies or skips; updates the stats."""
+        model = self.model
+        grads = self._add_weight_regularization(grads, trainable)
+        norm = _global_norm(grads)
+        finite = jnp.isfinite(norm) & jnp.isfinite(loss)
+        grads, clipped = self._clip(grads, norm)
+
+        def apply(operands):
+            trainable, optimizer_values = operands
+            variables = model.trainable_variables
+            cast = [g.astype(v.dtype) for g, v in zip(grads, variables)]
+            scale = self._scale(optimizer_values)
+            if scale is not None:
+                # The LossScaleOptimizer unscales, checks and grows its scale.
+                cast = [g * scale.astype(g.dtype) for g in cast]
+            return tuple(
+                model.optimizer.stateless_apply(optimizer_values, cast, trainable)
+            )
+
+        if self.loss_scale is not None:
+            # It skips non-finite updates itself and halves its scale.
+            trainable, optimizer_values = apply((trainable, optimizer_values))
+            applied = finite.astype("float32")
+        elif model.skip_nonfinite:
+            trainable, optimizer_values = jax.lax.cond(
+                finite, apply, lambda operands: operands, (trainable, optimizer_values)
+            )
+            applied = finite.astype("float32")
+        else:
+            trainable, optimizer_values = apply((trainable, optimizer_values))
+            applied = jnp.ones((), "float32")
+        stats = _updated_stats(stats, applied, norm, clipped, samples)
+        return list(trainable), list(optimizer_values), stats
+
+    def _add_weight_regularization(self, grads, trainable):
+        model = self.model
+        if not any(
+            getattr(v, "regularizer", None) is not None for v in model.trainable_variables
+        ):
+            return grads
+
+        def penalty(values):
+            with keras.StatelessScope(
+                state_mapping=list(zip(model.trainable_variables, values))
+            ):
+                return _loss.weight_regularization(model)
+
+        extra = jax.grad(penalty)(trainable)
+        return [g + e.astype(g.dtype) for g, e in zip(grads, extra)]
+
+    def _clip(self, grads, norm):
+        model = self.model
+        if model.global_clipnorm is not None:
+            limit = model.global_clipnorm
+            factor = limit * jnp.minimum(1.0 / norm, 1.0 / limit)
+            return [g * factor.astype(g.dtype) for g in grads], norm > limit
+        if model.clipnorm is not None:
+            limit = model.clipnorm
+            norms = [_global_norm([g]) for g in grads]
+            clipped = [
+                g * (limit / jnp.maximum(n, limit)).astype(g.dtype)
+                for g, n in zip(grads, norms)
+            ]
+            return clipped, jnp.any(jnp.stack([n > limit for n in norms]))
+        if model.clipvalue is not None:
+            limit = model.clipvalue
+            over = jnp.any(jnp.stack([jnp.any(jnp.abs(g) > limit) for g in grads]))
+            return [jnp.clip(g, -limit, limit) for g in grads], over
+        return grads, jnp.zeros((), bool)
+
+    def _scale(self, optimizer_values):
+        if self.loss_scale is None:
+            return None
+        optimizer = self.model.optimizer
+        index = next(
+            i for i, v in enumerate(optimizer.variables) if v is optimizer.dynamic_scale
+        )
+        return optimizer_values[index]
+
+
+def _updated_stats(stats, applied, norm, clipped, samples):
+    """The statistics after one update; the same rules as TensorFlow's `UpdateEngine`."""
+    old = {name: stats[i] for i, name in enumerate(_STATS)}
+    new = dict(old)
+    norm = norm.astype("float32")
+    samples = samples.astype("float32")
+    skipped = 1.0 - applied
+    first_skip = skipped * (old["skipped_in_epoch"] == 0).astype("float32")
+    first_update = old["updates_in_epoch"] == 0
+    kept = applied == 0
+    for name, value in (("grad_norm", norm), ("samples", samples)):
+        low, total, high = (old[f"{name}_{part}"] for part in ("min", "sum", "max"))
+        new[f"{name}_min"] = jnp.where(kept, low, jnp.where(first_update, value, jnp.minimum(low, value)))
+        new[f"{name}_sum"] = jnp.where(kept, total, total + value)
+        new[f"{name}_max"] = jnp.where(kept, high, jnp.where(first_update, value, jnp.maximum(high, value)))
+    new.update(
+        grad_norm=norm,
+        samples_per_update=samples,
+        updates_in_epoch=old["updates_in_epoch"] + applied,
+        clipped_in_epoch=old["clipped_in_epoch"] + applied * clipped.astype("float32"),
+        skipped_updates=old["skipped_updates"] + skipped,
+        skipped_in_epoch=old["skipped_in_epoch"] + skipped,
+        first_skip=old["first_skip"]
+        + first_skip * (old["updates_in_epoch"] + old["skipped_in_epoch"] + 1.0),
+        first_skip_samples=old["first_skip_samples"] + first_skip * samples,
+    )
+    return jnp.stack([new[name] for name in _STATS])
+
+
+def _current_values(scope, variables, values):
+    """The values `scope` assigned to `variables`, or `values` where it assigned none."""
+    current = []
+    for variable, value in zip(variables, values):
+        new = scope.get_current_value(variable)
+        current.append(value if new is None else new)
+    return current
+
+
+def _global_norm(tensors):
+    """The global norm in float32 or wider, so a float16 gradient's norm cannot overflow."""
+    squares = [
+        jnp.sum(jnp.square(t.astype(jnp.promote_types(t.dtype, jnp.float32))))
+        for t in tensors
+    ]
+    return jnp.sqrt(sum(squares)) if squares else jnp.zeros((), "float32")
+
+
+def _accumulator_dtype(dtype):
+    dtype = keras.backend.standardize_dtype(dtype)
+    return "float32" if dtype in ("float16", "bfloat16") else dtype
+
+
+def _divide_no_nan(numerator, denominator):
+    safe = jnp.where(denominator == 0, jnp.ones_like(denominator), denominator)
+    return jnp.where(denominator == 0, jnp.zeros_like(numerator), numerator / safe)
+
+
+def _loss_scale_optimizer(optimizer):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer
+    return None
+
