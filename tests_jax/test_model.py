@@ -1,0 +1,413 @@
+"""SafeDistributedModel on JAX against stock Keras on one device with one batch of the same samples."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_safe_dist
+from keras_safe_dist import SafeDistributedModel
+
+from conftest import regression_data
+
+
+def _mlp(model_class, batch_norm=False, seed=1, **options):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    if batch_norm:
+        hidden = keras.layers.BatchNormalization()(hidden)
+    outputs = keras.layers.Dense(1)(hidden)
+    if model_class is keras.Model:
+        return keras.Model(inputs, outputs)
+    return SafeDistributedModel(inputs, outputs, **options)
+
+
+def _one_device(build):
+    """Builds and returns a model on one device, whatever distribution the test set."""
+    distribution = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        return build()
+    finally:
+        keras.distribution.set_distribution(distribution)
+
+
+def _relative_error(model, reference):
+    return max(
+        float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+        for a, b in zip(model.get_weights(), reference.get_weights())
+    )
+
+
+def _stock_fit(x, y, batch_size, epochs=1, optimizer=None, loss="mse", **fit_kwargs):
+    def build():
+        reference = _mlp(keras.Model, batch_norm=fit_kwargs.pop("batch_norm", False))
+        reference.compile(optimizer or keras.optimizers.SGD(0.1), loss)
+        reference.fit(
+            x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs
+        )
+        return reference
+
+    return _one_device(build)
+
+
+@pytest.mark.parametrize("batch_size", [33, 11, 16], ids=["batch33", "batch11", "last1"])
+@pytest.mark.parametrize("batch_norm", [False, True], ids=["dense", "batchnorm"])
+def test_any_batch_size_matches_one_device(devices, batch_size, batch_norm):
+    x, y, _ = regression_data(33)
+    reference = _stock_fit(x, y, batch_size, epochs=2, batch_norm=batch_norm)
+    model = _mlp(SafeDistributedModel, batch_norm=batch_norm)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+
+    assert _relative_error(model, reference) < 1e-5
+    stock_loss = _one_device(lambda: reference.evaluate(x, y, batch_size=batch_size, verbose=0))
+    assert model.evaluate(x, y, batch_size=batch_size, verbose=0) == pytest.approx(
+        stock_loss, rel=1e-5
+    )
+    stock_predictions = _one_device(lambda: reference.predict(x, batch_size=batch_size, verbose=0))
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=batch_size, verbose=0), stock_predictions, rtol=1e-5, atol=1e-6
+    )
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_stock_keras_still_fails_on_an_indivisible_batch(devices):
+    if devices == 1:
+        pytest.skip("one device divides every batch")
+    x, y, _ = regression_data(33)
+    stock = _mlp(keras.Model)
+    stock.compile(keras.optimizers.SGD(0.1), "mse")
+    with pytest.raises(Exception, match="IndivisibleError|partitioned|divisible"):
+        stock.fit(x, y, batch_size=33, verbose=0)
+    # The placement SafeDistributedModel uses is Keras's again outside its calls.
+    with pytest.raises(Exception, match="IndivisibleError|partitioned|divisible"):
+        stock.evaluate(x, y, batch_size=33, verbose=0)
+
+
+def test_on_batch_methods_take_an_indivisible_batch(devices):
+    x, y, w = regression_data(7)
+    reference = _one_device(lambda: _mlp(keras.Model))
+    _one_device(lambda: reference.compile(keras.optimizers.SGD(0.1), "mse"))
+    stock_logs = _one_device(lambda: reference.train_on_batch(x, y, sample_weight=w))
+    model = _mlp(SafeDistributedModel)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+
+    logs = model.train_on_batch(x, y, sample_weight=w)
+
+    assert logs == pytest.approx(stock_logs, rel=1e-5)
+    assert _relative_error(model, reference) < 1e-5
+    assert model.test_on_batch(x, y) == pytest.approx(
+        _one_device(lambda: reference.test_on_batch(x, y)), rel=1e-5
+    )
+    np.testing.assert_allclose(
+        model.predict_on_batch(x), _one_device(lambda: reference.predict_on_batch(x)), rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        keras.losses.MeanSquaredError(),
+        keras.losses.MeanSquaredError(reduction="sum"),
+        keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+    ],
+    ids=["sum_over_batch_size", "sum", "mean_with_sample_weight"],
+)
+def test_accumulation_of_uneven_micro_batches_is_one_big_batch(devices, loss):
+    # 34 samples in micro-batches of 16, 16 and 2: one update.
+    x, y, w = regression_data(34)
+    reference = _stock_fit(x, y, 34, loss=loss, sample_weight=w)
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=3)
+    model.compile(keras.optimizers.SGD(0.1), loss)
+
+    model.fit(x, y, sample_weight=w, batch_size=16, shuffle=False, verbose=0)
+
+    assert _relative_error(model, reference) < 1e-5
+
+
+def test_stock_optimizer_accumulation_weights_micro_batches_equally(devices):
+    # The defect the accumulation above fixes, measured on this backend.
+    x, y, _ = regression_data(34)
+    reference = _stock_fit(x, y, 34)
+    stock = _mlp(keras.Model)
+    stock.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=3), "mse")
+    stock.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert _relative_error(stock, reference) > 1e-2
+
+
+def test_class_weights_and_a_partial_group_at_epoch_end(devices):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 4)).astype("float32")
+    labels = (x[:, 0] > 0.3).astype("int32")
+    class_weight = {0: 0.5, 1: 2.0}
+
+    def build(model_class, **options):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(2, activation="softmax")(inputs)
+        if model_class is keras.Model:
+            return keras.Model(inputs, outputs)
+        return SafeDistributedModel(inputs, outputs, **options)
+
+    def stock():
+        reference = build(keras.Model)
+        reference.compile(keras.optimizers.Adam(0.05), "sparse_categorical_crossentropy")
+        # Two updates per epoch: 32 samples, then the last 8.
+        reference.fit(x, labels, batch_size=32, epochs=2, class_weight=class_weight,
+                      shuffle=False, verbose=0)
+        return reference
+
+    reference = _one_device(stock)
+    model = build(SafeDistributedModel, gradient_accumulation_steps=2, log_update_stats=True)
+    model.compile(keras.optimizers.Adam(0.05), "sparse_categorical_crossentropy")
+
+    history = model.fit(x, labels, batch_size=16, epochs=2, class_weight=class_weight,
+                        shuffle=False, verbose=0)
+
+    assert _relative_error(model, reference) < 1e-5
+    assert history.history["samples_per_update"] == [8.0, 8.0]
+    assert history.history["samples_per_update_max"] == [32.0, 32.0]
+    assert int(model.optimizer.iterations.numpy()) == 4
+
+
+@pytest.mark.parametrize("clip", [{"global_clipnorm": 0.05}, {"clipnorm": 0.05}, {"clipvalue": 0.01}])
+def test_clipping_applies_after_accumulation(devices, clip):
+    x, y, _ = regression_data(34)
+    reference = _stock_fit(x, y, 34, optimizer=keras.optimizers.SGD(0.1, **clip))
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=3, log_update_stats=True, **clip)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+
+    history = model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+
+    assert _relative_error(model, reference) < 1e-5
+    assert history.history["clip_rate"] == [1.0]
+
+
+def test_a_nonfinite_update_is_skipped_counted_and_warned_once(devices):
+    x, y, _ = regression_data(32)
+    x[20, 1] = np.nan
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2, log_update_stats=True)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)  # one clean update: Adam has state
+    weights = [w.copy() for w in model.get_weights()]
+    optimizer_state = [v.numpy().copy() for v in model.optimizer.variables]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x[16:], y[16:], batch_size=8, shuffle=False, verbose=0)
+
+    for after, before in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(after, before)
+    for variable, before in zip(model.optimizer.variables, optimizer_state):
+        np.testing.assert_array_equal(variable.numpy(), before)
+    assert history.history["skipped_updates"] == [1.0]
+    skipped = [w for w in caught if "skipped a non-finite update" in str(w.message)]
+    assert len(skipped) == 1
+    assert "update 0 (micro-batches 0 to 1)" in str(skipped[0].message)
+
+
+def test_without_skipping_a_nonfinite_update_is_applied(devices):
+    x, y, _ = regression_data(8)
+    x[3, 0] = np.nan
+    model = _mlp(SafeDistributedModel, skip_nonfinite=False)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert np.isnan(model.get_weights()[0]).any()
+
+
+def test_update_statistics_and_steps_per_execution(devices):
+    x, y, _ = regression_data(40)
+    results = []
+    for steps in (1, 4):
+        model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2, log_update_stats=True)
+        model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=steps)
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        results.append((model.get_weights(), history.history))
+    (weights_1, history_1), (weights_4, history_4) = results
+    for a, b in zip(weights_1, weights_4):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # 5 micro-batches of 8: two updates of 16, then the partial group of 8.
+    assert history_1["samples_per_update"] == [8.0, 8.0]
+    assert history_1["samples_per_update_mean"] == pytest.approx([40 / 3] * 2)
+    assert history_4["samples_per_update_mean"] == history_1["samples_per_update_mean"]
+    assert history_1["grad_norm"] == pytest.approx(history_4["grad_norm"], rel=1e-5)
+
+
+def test_embedding_with_adam_and_accumulation(devices):
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(1, 20, size=(30, 6)).astype("int32")
+    tokens[:, 4:] = 0  # padding, masked
+    targets = rng.normal(size=(30, 1)).astype("float32")
+
+    def build(model_class, **options):
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((6,), dtype="int32")
+        embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+        pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+        outputs = keras.layers.Dense(1)(pooled)
+        if model_class is keras.Model:
+            return keras.Model(inputs, outputs)
+        return SafeDistributedModel(inputs, outputs, **options)
+
+    def stock():
+        reference = build(keras.Model)
+        reference.compile(keras.optimizers.Adam(0.01), "mse")
+        reference.fit(tokens, targets, batch_size=30, epochs=3, shuffle=False, verbose=0)
+        return reference
+
+    reference = _one_device(stock)
+    model = build(SafeDistributedModel, gradient_accumulation_steps=3)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(tokens, targets, batch_size=11, epochs=3, shuffle=False, verbose=0)
+
+    assert _relative_error(model, reference) < 1e-5
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_with_accumulation(devices, policy):
+    x, y, _ = regression_data(34)
+    keras.config.set_dtype_policy(policy)
+    reference = _stock_fit(x, y, 34, epochs=2)
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=3)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    if policy == "mixed_float16":
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    # As on TensorFlow (tests/test_model_dtypes.py): the rounding of one
+    # float16 or bfloat16 batch against three micro-batches.
+    assert _relative_error(model, reference) < (5e-3 if policy == "mixed_float16" else 5e-2)
+
+
+def test_weight_and_activity_regularization(devices):
+    x, y, _ = regression_data(34)
+
+    def build(model_class, **options):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(
+            8, kernel_regularizer=keras.regularizers.L2(0.01),
+            activity_regularizer=keras.regularizers.L1(0.01),
+        )(inputs)
+        outputs = keras.layers.Dense(1)(hidden)
+        if model_class is keras.Model:
+            return keras.Model(inputs, outputs)
+        return SafeDistributedModel(inputs, outputs, **options)
+
+    def stock():
+        reference = build(keras.Model)
+        reference.compile(keras.optimizers.SGD(0.1), "mse")
+        reference.fit(x, y, batch_size=34, epochs=2, shuffle=False, verbose=0)
+        return reference
+
+    reference = _one_device(stock)
+    model = build(SafeDistributedModel, gradient_accumulation_steps=3)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    assert _relative_error(model, reference) < 1e-5
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_a_pending_group_is_applied_when_an_option_changes(devices):
+    x, y, _ = regression_data(16)
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    before = [w.copy() for w in model.get_weights()]
+    model.train_on_batch(x[:8], y[:8])
+    for after, old in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(after, old)
+
+    model.clipnorm = 1.0
+
+    reference = _stock_fit(x[:8], y[:8], 8)
+    assert _relative_error(model, reference) < 1e-5
+
+
+def test_save_and_load_keeps_options_and_weights(tmp_path, devices):
+    x, y, _ = regression_data(16)
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2, global_clipnorm=1.0)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+
+    loaded = keras.models.load_model(path)
+
+    assert isinstance(loaded, SafeDistributedModel)
+    assert (loaded.gradient_accumulation_steps, loaded.global_clipnorm) == (2, 1.0)
+    assert _relative_error(loaded, model) == 0.0
+
+
+_SAVE_ON_TENSORFLOW = """
+import sys
+import keras, numpy as np
+from keras_safe_dist import SafeDistributedModel
+if sys.argv[1] == "save":
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((4,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs), gradient_accumulation_steps=3)
+    model.compile("adam", "mse")
+    model.fit(np.ones((6, 4), "float32"), np.ones((6, 1), "float32"), verbose=0)
+    model.save(sys.argv[2])
+    np.save(sys.argv[2] + ".npy", model.get_weights()[0])
+else:
+    model = keras.models.load_model(sys.argv[2])
+    assert model.gradient_accumulation_steps == 5, model.gradient_accumulation_steps
+    print(float(model.get_weights()[0].sum()))
+"""
+
+
+def _tensorflow(args):
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-c", _SAVE_ON_TENSORFLOW, *args],
+        env=env, capture_output=True, text=True, timeout=240, check=True,
+    )
+
+
+def test_a_model_saved_on_tensorflow_loads_on_jax_and_back(tmp_path):
+    saved = tmp_path / "from_tensorflow.keras"
+    _tensorflow(["save", str(saved)])
+
+    loaded = keras.models.load_model(saved)
+
+    assert isinstance(loaded, SafeDistributedModel)
+    assert loaded.gradient_accumulation_steps == 3
+    np.testing.assert_array_equal(loaded.get_weights()[0], np.load(str(saved) + ".npy"))
+    loaded.gradient_accumulation_steps = 5
+    back = tmp_path / "from_jax.keras"
+    loaded.save(back)
+    printed = _tensorflow(["load", str(back)]).stdout.strip().splitlines()[-1]
+    assert float(printed) == pytest.approx(float(loaded.get_weights()[0].sum()), rel=1e-6)
+
+
+def test_on_tensorflow_the_package_works_without_jax():
+    # TensorFlow imports jax itself when it is installed; so jax is made
+    # unimportable, and the package must still import and pick TensorFlow's step.
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow"}
+    env.pop("XLA_FLAGS", None)
+    code = (
+        "import sys; sys.modules['jax'] = None; import keras_safe_dist; "
+        "print(keras_safe_dist.backend.Trainer.__module__, "
+        "'keras_safe_dist.backend.jax' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert result.stdout.strip().splitlines()[-1] == (
+        "keras_safe_dist.backend.tensorflow.trainer False"
+    ), result.stderr[-2000:]
+
+
+def test_the_jax_trainer_is_the_backend_in_use():
+    assert keras_safe_dist.backend.Trainer.__module__ == "keras_safe_dist.backend.jax.trainer"
+    assert len(jax.devices()) == 2
