@@ -194,8 +194,13 @@ def test_dashboard_writes_its_layout_once_per_run_and_the_statistics(tmp_path):
     (config,) = events.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout()
     layout.ParseFromString(tf.make_ndarray(config.tensor_proto).item())
-    (category,) = layout.category
+    category, updates = layout.category
     assert category.title == "safe distributed training"
+    assert updates.title == "safe distributed training, per update"
+    assert [list(c.multiline.tag) for c in updates.chart] == [
+        ["^safe_distributed/update/grad_norm$"], ["^safe_distributed/update/clip_rate$"],
+        ["^safe_distributed/update/skipped_updates$"], ["^safe_distributed/update/samples_per_update$"],
+    ]
     assert [c.multiline.tag[0] for c in category.chart] == [
         "^safe_distributed/grad_norm(_min|_mean|_max)?$", "^safe_distributed/clip_rate$",
         "^safe_distributed/skipped_updates$", "^safe_distributed/samples_per_update(_min|_mean|_max)?$",

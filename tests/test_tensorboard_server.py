@@ -67,13 +67,22 @@ def test_tensorboard_serves_the_dashboard_the_statistics_and_the_audit_tables(tm
         texts = wait_for(port, "/data/plugin/text/tags", lambda tags: "." in tags)
         assert "audits/aggregation" in texts["."]
         layout = wait_for(port, "/data/plugin/custom_scalars/layout", lambda data: data)
-        (category,) = layout["category"]
+        category, updates = layout["category"]
         assert category["title"] == "safe distributed training"
         assert len(category["chart"]) == 4
+        assert updates["title"] == "safe distributed training, per update"
+        assert len(updates["chart"]) == 4
         series = get_json(
             port, "/data/plugin/scalars/scalars?run=safe_distributed&tag=safe_distributed/samples_per_update"
         )
         assert [(step, value) for _, step, value in series] == [(0, 8.0), (1, 8.0)]
+        # Per update: 2 updates per epoch, on the update axis, with their description.
+        tag = "safe_distributed/update/samples_per_update"
+        series = get_json(port, f"/data/plugin/scalars/scalars?run=safe_distributed&tag={tag}")
+        assert [(step, value) for _, step, value in series] == [(1, 8.0), (2, 8.0), (3, 8.0), (4, 8.0)]
+        assert scalars["safe_distributed"][tag]["description"].startswith(
+            "<p>Samples behind this update, all replicas and micro-batches together."
+        )
     finally:
         server.kill()
         server.communicate(timeout=30)

@@ -1,11 +1,18 @@
 """`Dashboard`: SafeDistributedModel's update statistics in one TensorBoard view."""
 
+import numbers
 import os
+import threading
 
 import keras
 import tensorflow as tf
+from tensorboard.compat.proto import summary_pb2
+from tensorboard.compat.proto import tensor_pb2
+from tensorboard.compat.proto import tensor_shape_pb2
+from tensorboard.compat.proto import types_pb2
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
+from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from keras_safe_dist import _validate
 from keras_safe_dist.audits.stock import warn_no_update_statistics
@@ -15,19 +22,29 @@ from keras_safe_dist.statistics import PREFIX
 from keras_safe_dist.statistics import RUN
 from keras_safe_dist.statistics import SPREAD
 from keras_safe_dist.statistics import STATISTICS
+from keras_safe_dist.statistics import UPDATE_PREFIX
+from keras_safe_dist.statistics import description
 
-__all__ = ["Dashboard", "DASHBOARD_TITLE", "STATISTICS", "layout"]
+__all__ = ["Dashboard", "DASHBOARD_TITLE", "STATISTICS", "UPDATE_TITLE", "layout"]
 
 DASHBOARD_TITLE = "safe distributed training"
+UPDATE_TITLE = "safe distributed training, per update"
 
 
-def layout():
-    """The custom-scalars layout: one category, a chart per statistic.
+def layout(per_update=False):
+    """The custom-scalars layout: a category with a chart per statistic.
 
     Each chart shows this callback's `safe_distributed/<name>` and the
     `epoch_<name>` that `keras.callbacks.TensorBoard` logs for the same value;
     the gradient norm and samples per update charts also show the epoch's
     min, mean and max over its updates (`<name>_min`, `_mean`, `_max`).
+
+    Args:
+        per_update: also a second category, `UPDATE_TITLE`, with a chart per
+            statistic of `safe_distributed/update/<name>`, on the update axis.
+
+    Returns:
+        A `layout_pb2.Layout`.
     """
     charts = []
     for name, title in STATISTICS.items():
@@ -41,8 +58,35 @@ def layout():
                 ),
             )
         )
-    return layout_pb2.Layout(
-        category=[layout_pb2.Category(title=DASHBOARD_TITLE, chart=charts)]
+    categories = [layout_pb2.Category(title=DASHBOARD_TITLE, chart=charts)]
+    if per_update:
+        updates = [
+            layout_pb2.Chart(
+                title=title, multiline=layout_pb2.MultilineChartContent(tag=[rf"^{UPDATE_PREFIX}/{name}$"])
+            )
+            for name, title in STATISTICS.items()
+        ]
+        categories.append(layout_pb2.Category(title=UPDATE_TITLE, chart=updates))
+    return layout_pb2.Layout(category=categories)
+
+
+def _float_tensor(value):
+    """A scalar float32 TensorProto, as `tf.summary.scalar` writes one."""
+    return tensor_pb2.TensorProto(
+        dtype=types_pb2.DT_FLOAT, float_val=[float(value)], tensor_shape=tensor_shape_pb2.TensorShapeProto()
+    )
+
+
+def _check_update_freq(update_freq):
+    if isinstance(update_freq, str) and update_freq == "epoch":
+        return update_freq
+    integer = isinstance(update_freq, numbers.Integral) and not isinstance(update_freq, bool)
+    if integer and update_freq >= 1:
+        return int(update_freq)
+    raise ValueError(
+        '`update_freq` must be "epoch" or an integer >= 1 (chart every N-th update). '
+        f"Received: update_freq={update_freq!r}. Pass 1 to chart every update, an "
+        'integer N to chart every N-th, or "epoch" for the per-epoch charts only.'
     )
 
 
@@ -51,14 +95,27 @@ class Dashboard(keras.callbacks.Callback):
 
     At train begin it writes TensorBoard's custom-scalars layout (once per
     run) grouping gradient norm, clip rate, skipped updates and samples per
-    update; at each epoch end it writes those values from the epoch logs of a
-    `SafeDistributedModel` as `safe_distributed/<name>` scalars. The epoch's
-    last update is `<name>`; for the gradient norm and the samples per update
-    the epoch's min, mean and max over its applied updates are
-    `<name>_min`, `<name>_mean` and `<name>_max`, on the same chart. It reads only
-    the logs Keras already computed (no extra host sync) and has no batch
-    hook. With a plain `keras.Model`, whose logs lack these values, only the
-    layout is written. Only the chief writes.
+    update. With an integer `update_freq` (default 1), it writes those
+    values after every `update_freq`-th optimizer update as
+    `safe_distributed/update/<name>` scalars, whose step is the update's
+    index since `fit()` began (from 1; skipped non-finite updates count).
+    With gradient accumulation an update spans several batches, and a point
+    is written once per update, not per micro-batch. At each epoch end it
+    writes the epoch's values as `safe_distributed/<name>` scalars, whose step
+    is the epoch: the epoch's last update is `<name>`; for the gradient norm
+    and the samples per update the epoch's min, mean and max over its
+    applied updates are `<name>_min`, `<name>_mean` and `<name>_max`, on the
+    same chart. Every scalar carries a description (what it is, its step, how
+    to read it). With a plain `keras.Model`, whose logs lack these values,
+    only the layout is written. Only the chief writes.
+
+    It reads only the logs Keras already computed and converted. Its batch
+    hook reads no tensor and is safe for Keras's asynchronous callback
+    dispatch (`async_safe`), so adding it leaves Keras's dispatch as it was:
+    with no other batch hook, Keras converts each batch's logs in its worker
+    threads, not on the training thread. With `steps_per_execution=S` Keras
+    reports every S-th batch; a point then holds the latest update of the S
+    batches.
 
     With a `SafeDistributedModel`, adding this callback to `fit()` turns on
     its `log_update_stats` for that `fit()`: the statistics also appear in
@@ -69,10 +126,15 @@ class Dashboard(keras.callbacks.Callback):
             `keras.callbacks.TensorBoard` if any.
         run: the TensorBoard run this callback writes, a folder of
             `log_dir` (beside Keras's `train` and `validation`).
+        update_freq: an integer N >= 1, to chart every N-th update (the
+            updates whose index is a multiple of N, or the next one Keras
+            reports), or `"epoch"` for the per-epoch charts only. Assignable
+            after construction.
 
     Raises:
         TypeError: when `log_dir` is not a path.
-        ValueError: when `run` is not a plain folder name.
+        ValueError: when `run` is not a plain folder name, or `update_freq`
+            is neither `"epoch"` nor an integer >= 1.
         OSError: when training begins, on the chief, for a `log_dir` it
             cannot create or write (a file, a path below a file, no
             permission, a name too long), before any batch.
@@ -80,15 +142,19 @@ class Dashboard(keras.callbacks.Callback):
     Example:
 
     ```python
-    model.fit(x, y, callbacks=[keras_safe_dist.callbacks.Dashboard("logs")])
+    model.fit(x, y, callbacks=[keras_safe_dist.callbacks.Dashboard("logs", update_freq=10)])
     # tensorboard --logdir logs  ->  "Custom Scalars" tab; the run "safe_distributed"
     ```
     """
 
     # Read by SafeDistributedModel.fit(): log the update statistics.
     requests_update_stats = True
+    # Read by Keras's CallbackList: the batch hook may run in Keras's worker
+    # threads. It reads no tensor (Keras hands it converted logs), takes a
+    # lock, and writes the points in batch order whatever order they come in.
+    async_safe = True
 
-    def __init__(self, log_dir, run=RUN):
+    def __init__(self, log_dir, run=RUN, update_freq=1):
         super().__init__()
         if not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(
@@ -102,34 +168,123 @@ class Dashboard(keras.callbacks.Callback):
             )
         self.log_dir = os.fspath(log_dir)
         self.run = run
+        self.update_freq = update_freq
         self._writer = None
+        self._lock = threading.Lock()
+
+    @property
+    def update_freq(self):
+        """`"epoch"`, or N: chart every N-th update."""
+        return self._update_freq
+
+    @update_freq.setter
+    def update_freq(self, value):
+        self._update_freq = _check_update_freq(value)
 
     def on_train_begin(self, logs=None):
         self._close()
         warn_no_update_statistics(self.model, "Dashboard")
+        # Updates before the current epoch, since this fit() began.
+        self._updates = 0
+        self._accumulation = int(getattr(self.model, "gradient_accumulation_steps", 1) or 1)
+        self._execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        self.on_epoch_begin(None)
         if not is_chief(self.model.distribute_strategy):
             return
         # Before any training, with the message the other callbacks give.
         _validate.writable_directory("Dashboard", "log_dir", self.log_dir, optional=False)
         self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, self.run))
+        # Each event file gives each tag's description once, with its first value.
+        self._metadata = {
+            name: scalar_metadata.create_summary_metadata(
+                display_name=name, description=description(name, per_update=True)
+            )
+            for name in STATISTICS
+        }
+        per_update = self.update_freq != "epoch"
         with self._writer.as_default():
             tf.summary.experimental.write_raw_pb(
-                custom_scalar_summary.pb(layout()).SerializeToString(), step=0
+                custom_scalar_summary.pb(layout(per_update)).SerializeToString(), step=0
             )
         self._writer.flush()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        with self._lock:
+            self._pending = {}  # end step: logs, of batches not yet handled
+            self._next_end = self._execution - 1
+            self._batches = 0  # batches handled this epoch
+            self._in_epoch = 0  # updates handled this epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._writer is None or self.update_freq == "epoch":
+            return
+        with self._lock:
+            self._pending[batch] = logs or {}
+            while self._next_end in self._pending:
+                end = self._next_end
+                self._next_end += self._execution
+                self._handle_batches(end + 1, self._pending.pop(end))
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
         if self._writer is None:
             return
+        with self._lock:
+            # Keras has run every batch hook of the epoch by now.
+            for end in sorted(self._pending):
+                self._handle_batches(end + 1, self._pending.pop(end))
+            # An epoch's partial last group is applied by then: the epoch logs
+            # hold its update.
+            self._write_updates(-(-self._batches // self._accumulation), logs)
+            self._updates += self._in_epoch
         with self._writer.as_default():
             for name in LOG_NAMES:
                 if name in logs:
-                    tf.summary.scalar(f"{PREFIX}/{name}", float(logs[name]), step=epoch)
+                    tf.summary.scalar(
+                        f"{PREFIX}/{name}", float(logs[name]), step=epoch, description=description(name)
+                    )
         self._writer.flush()
 
     def on_train_end(self, logs=None):
         self._close()
+
+    def _handle_batches(self, batches, logs):
+        """The logs after the epoch's first `batches` batches (Keras's count)."""
+        steps = self.params.get("steps") if self.params else None
+        last = bool(steps) and batches >= steps
+        if last:
+            batches = steps
+        # The last batch of an epoch of known length applies its partial group.
+        updates = -(-batches // self._accumulation) if last else batches // self._accumulation
+        self._batches = max(self._batches, batches)
+        self._write_updates(updates, logs)
+
+    def _write_updates(self, updates, logs):
+        """Writes the latest update of this epoch's `updates` if its turn has come."""
+        if updates <= self._in_epoch or self.update_freq == "epoch":
+            self._in_epoch = max(self._in_epoch, updates)
+            return
+        first, latest = self._updates + self._in_epoch + 1, self._updates + updates
+        self._in_epoch = updates
+        if latest // self.update_freq * self.update_freq < first:
+            return  # no multiple of update_freq among the updates since the last batch
+        # One Summary of all the statistics, one write: tf.summary.scalar
+        # per value costs about 8 times as much (3.2 ms against 0.4 ms).
+        values = []
+        for name in STATISTICS:
+            if name in logs:
+                values.append(
+                    summary_pb2.Summary.Value(
+                        tag=f"{UPDATE_PREFIX}/{name}",
+                        metadata=self._metadata.pop(name, None),
+                        tensor=_float_tensor(logs[name]),
+                    )
+                )
+        if values:
+            with self._writer.as_default():
+                tf.summary.experimental.write_raw_pb(
+                    summary_pb2.Summary(value=values).SerializeToString(), step=latest
+                )
 
     def _close(self):
         if self._writer is not None:
