@@ -1,0 +1,74 @@
+"""The private Keras APIs the JAX step relies on (through `keras_safe_dist._compat`).
+
+Each test fails loudly when a Keras release renames or changes one.
+"""
+
+import inspect
+
+import jax
+import keras
+import numpy as np
+import pytest
+from keras.src.backend.jax import trainer as keras_jax_trainer
+
+from keras_safe_dist import _compat
+
+
+def _parameters(function):
+    return list(inspect.signature(function).parameters)
+
+
+def test_batches_are_placed_through_the_module_function_the_context_swaps():
+    module = _compat.jax_data_placement()
+    assert _parameters(module.distribute_data_input) == [
+        "per_process_batch", "layout", "batch_dim_name",
+    ]
+    # Keras looks the function up on the module at each call, which is what
+    # lets the context replace it.
+    source = inspect.getsource(keras_jax_trainer._distribute_data)
+    assert "jax_distribution_lib.distribute_data_input" in source
+    assert keras_jax_trainer.jax_distribution_lib is module
+
+
+def test_the_context_places_an_indivisible_batch_whole_and_restores_keras():
+    module = _compat.jax_data_placement()
+    original = module.distribute_data_input
+    distribution = keras.distribution.DataParallel(devices=jax.devices())
+    batch = np.arange(6, dtype="float32").reshape(3, 2)
+    layout = distribution.get_data_layout(batch.shape).backend_layout
+
+    with _compat.uneven_batches_replicated():
+        with _compat.uneven_batches_replicated():  # re-entrant
+            placed = module.distribute_data_input(batch, layout, "batch")
+        even = module.distribute_data_input(batch[:2], layout, "batch")
+
+    assert module.distribute_data_input is original
+    assert placed.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(placed), batch)
+    assert not even.sharding.is_fully_replicated
+    with pytest.raises(Exception, match="divisible|partitioned"):
+        original(batch, layout, "batch")
+
+
+def test_losses_override_is_what_model_losses_reads():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    assert model._losses_override == []
+    penalty = keras.ops.ones(())
+    with _compat.losses_override(model, [penalty]):
+        assert model.losses == [penalty]
+    assert model.losses == []
+
+
+def test_fit_reads_the_epoch_logs_through_the_overridden_method():
+    fit = inspect.getsource(keras_jax_trainer.JAXTrainer.fit)
+    assert "self.jax_state_sync()" in fit
+    assert fit.index("self.jax_state_sync()") < fit.index("self._get_metrics_result_or_logs(logs)")
+    assert fit.index("self._get_metrics_result_or_logs(logs)") < fit.index("self.evaluate(")
+
+
+def test_the_step_state_is_built_from_metrics_variables():
+    source = inspect.getsource(keras_jax_trainer.JAXTrainer._get_jax_state)
+    assert "self.metrics_variables" in source
+    sync = inspect.getsource(keras_jax_trainer.JAXTrainer.jax_state_sync)
+    assert "zip(self.metrics_variables, metrics_variables)" in sync
