@@ -411,3 +411,37 @@ def test_on_tensorflow_the_package_works_without_jax():
 def test_the_jax_trainer_is_the_backend_in_use():
     assert keras_safe_dist.backend.Trainer.__module__ == "keras_safe_dist.backend.jax.trainer"
     assert len(jax.devices()) == 2
+
+
+def test_convnet_with_batchnorm_and_dropout_matches_one_device(devices):
+    # On JAX the Dropout mask of a global batch does not depend on how the batch
+    # is sharded, so, without accumulation, the convnet matches one device too.
+    rng = np.random.default_rng(7)
+    images = rng.normal(size=(33, 8, 8, 1)).astype("float32")
+    labels = rng.integers(0, 3, size=(33,)).astype("int32")
+
+    def build(model_class):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((8, 8, 1))
+        hidden = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
+        hidden = keras.layers.BatchNormalization()(hidden)
+        hidden = keras.layers.Flatten()(keras.layers.MaxPooling2D()(hidden))
+        hidden = keras.layers.Dropout(0.3)(hidden)
+        outputs = keras.layers.Dense(3)(hidden)
+        model = model_class(inputs, outputs)
+        model.compile(
+            keras.optimizers.Adam(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    def stock():
+        reference = build(keras.Model)
+        reference.fit(images, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return reference
+
+    reference = _one_device(stock)
+    model = build(SafeDistributedModel)
+    model.fit(images, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    assert _relative_error(model, reference) < 1e-5
