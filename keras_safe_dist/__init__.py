@@ -12,6 +12,7 @@ _EXPORTS = {
     "Finding": "keras_safe_dist.findings",
     "ScopeError": "keras_safe_dist.audits",
     "audit": "keras_safe_dist.audits",
+    "audit_train_step": "keras_safe_dist.audits",
     "callbacks": None,  # the subpackage itself
     "is_chief": "keras_safe_dist.distributed",
     "SafeDistributedFunctional": "keras_safe_dist.model",

@@ -110,6 +110,25 @@ CODES = {
     "DIST005": Code(
         "stock model", "error", "stock fit under MultiWorkerMirroredStrategy"
     ),
+    # Custom training loops: a stateless train step, audited by audit_train_step().
+    "LOOP001": Code(
+        "custom loop", "error", "train step calls the model in inference mode"
+    ),
+    "LOOP002": Code(
+        "custom loop", "error",
+        "train step does not thread the updated non-trainable state",
+    ),
+    "LOOP003": Code(
+        "custom loop", "error",
+        "train step does not advance the optimizer state or the weights",
+    ),
+    "LOOP004": Code(
+        "custom loop", "warning",
+        "train state or batch not laid out as the distribution says",
+    ),
+    "LOOP005": Code(
+        "custom loop", "error", "train step does not thread the metric state"
+    ),
     # Non-finite values.
     "NAN001": Code("non-finite", "error", "non-finite value during training"),
     "NAN002": Code("non-finite", "error", "too many consecutive skipped updates"),

@@ -13,6 +13,7 @@ from keras_safe_dist.audits.scope import current_scope_findings
 from keras_safe_dist.audits.scope import scope_findings
 from keras_safe_dist.audits.scope import training_strategy
 from keras_safe_dist.audits.stock import stock_findings
+from keras_safe_dist.audits.train_step import audit_train_step
 from keras_safe_dist.audits.training_mode import TrainingModeSnapshot
 from keras_safe_dist.audits.training_mode import frozen_batch_norm_findings
 from keras_safe_dist.findings import AuditReport
@@ -23,6 +24,7 @@ __all__ = [
     "TrainingModeSnapshot",
     "aggregation_findings",
     "audit",
+    "audit_train_step",
     "check_scope",
     "created_at",
     "creation_site",

@@ -14,7 +14,11 @@ from keras_safe_dist import _compat
 from keras_safe_dist.audits import _variables
 from keras_safe_dist.findings import Finding
 
-__all__ = ["TrainingModeSnapshot", "frozen_batch_norm_findings"]
+__all__ = [
+    "TrainingModeSnapshot",
+    "frozen_batch_norm_findings",
+    "training_dependent_layers",
+]
 
 _NOISE_LAYERS = (
     keras.layers.Dropout,
@@ -61,6 +65,38 @@ def frozen_batch_norm_findings(model):
     ]
 
 
+def training_dependent_layers(model):
+    """The layers that behave differently in training, with the state they update.
+
+    Args:
+        model: a `keras.Model`.
+
+    Returns:
+        A list of `(layer, kind, state)`: kind `"batch norm"` and state its
+        moving mean and variance for each trainable, built
+        BatchNormalization; kind `"noise"` and state its seed generator's
+        state for each Dropout, GaussianDropout, GaussianNoise and
+        AlphaDropout with a non-zero rate (or stddev).
+
+    Example:
+
+    ```python
+    for layer, kind, state in training_dependent_layers(model):
+        print(layer.name, kind, [v.path for v in state])
+    ```
+    """
+    layers = [
+        (layer, "batch norm", _bn_state(layer))
+        for layer in _batch_norms(model)
+        if layer.trainable and layer.built
+    ]
+    for layer in _compat.flatten_layers(model):
+        seed = getattr(layer, "seed_generator", None)
+        if isinstance(layer, _NOISE_LAYERS) and _active(layer) and seed:
+            layers.append((layer, "noise", [seed.state]))
+    return layers
+
+
 class TrainingModeSnapshot:
     """The training-mode state of a model, taken before training steps run.
 
@@ -84,14 +120,7 @@ class TrainingModeSnapshot:
 
     def __init__(self, model):
         self.replicas = model.distribute_strategy.num_replicas_in_sync
-        self._watched = []
-        for layer in _batch_norms(model):
-            if layer.trainable and layer.built:
-                self._watched.append((layer, "batch norm", _bn_state(layer)))
-        for layer in _compat.flatten_layers(model):
-            seed = getattr(layer, "seed_generator", None)
-            if isinstance(layer, _NOISE_LAYERS) and _active(layer) and seed:
-                self._watched.append((layer, "noise", [seed.state]))
+        self._watched = training_dependent_layers(model)
         excluded = {id(v) for _, _, state in self._watched for v in state}
         self._other = [
             v
