@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
+from keras_safe_dist import _stats
 from keras_safe_dist import statistics
 from keras_safe_dist._accumulate import Accumulators
 
@@ -69,8 +70,8 @@ class UpdateEngine:
             # micro-batches in the pending group, micro-batches seen this
             # epoch, micro-batches per epoch (-1: unknown)
             self.counters = self._mirrored([0, 0, -1], tf.int64)
-            # see _STATS
-            self.stats = self._mirrored([0.0] * len(_STATS), tf.float64)
+            # see _stats.FIELDS
+            self.stats = self._mirrored([0.0] * len(_stats.FIELDS), tf.float64)
         self.flush_function = tf.function(self._flush)
 
     def _mirrored(self, value, dtype):
@@ -82,13 +83,13 @@ class UpdateEngine:
 
     def begin_fit(self):
         self.counters.assign([0, 0, -1])
-        self.stats.assign(tf.zeros([len(_STATS)], tf.float64))
+        self.stats.assign(tf.zeros([len(_stats.FIELDS)], tf.float64))
 
     def begin_epoch(self, steps):
         self.epoch_open = True
         steps = -1 if steps is None else int(steps)
         self.counters.assign(self.counters * [1, 0, 0] + [0, 0, steps])
-        self.stats.assign(self.stats * _KEPT_ACROSS_EPOCHS)
+        self.stats.assign(self.stats * _stats.KEPT_ACROSS_EPOCHS)
 
     def end_epoch(self):
         """Applies the epoch's pending partial group, once per epoch.
@@ -114,27 +115,14 @@ class UpdateEngine:
 
     def logs(self):
         """The values this engine adds to each step's logs."""
-        stats = self.stats.read_value()
-        return {
-            "grad_norm": stats[_STATS.index("grad_norm")],
-            "clip_rate": tf.math.divide_no_nan(
-                stats[_STATS.index("clipped_in_epoch")],
-                stats[_STATS.index("updates_in_epoch")],
-            ),
-            "skipped_updates": stats[_STATS.index("skipped_updates")],
-            "samples_per_update": stats[_STATS.index("samples_per_update")],
-            **_spread_logs(stats),
-        }
+        return _stats.logs(self.stats.read_value())
 
     def first_skip(self):
         """`(update index, samples)` of the epoch's first skipped update, or None.
 
         Reads the counters on the host (one small read).
         """
-        stats = dict(zip(_STATS, self.stats.numpy().tolist()))
-        if stats["skipped_in_epoch"] == 0:
-            return None
-        return int(stats["first_skip"]) - 1, int(stats["first_skip_samples"])
+        return _stats.first_skip(self.stats.numpy().tolist())
 
     # In-graph logic.
 
@@ -402,82 +390,15 @@ class UpdateEngine:
             applied = tf.cond(finite, apply_update, skip_update)
         else:
             applied = apply_update()
-        old = tf.unstack(self.stats.read_value())
-        new = dict(zip(_STATS, old))
-        skipped = 1.0 - applied
-        # The first skip of the epoch: its index among the epoch's updates
-        # (stored + 1, so that 0 means none) and its samples.
-        first = skipped * tf.cast(tf.equal(new["skipped_in_epoch"], 0.0), tf.float64)
-        samples = tf.cast(samples, tf.float64)
-        new.update(_spread(new, applied, grad_norm=norm, samples=samples))
-        new.update(
-            grad_norm=tf.cast(norm, tf.float64),
-            samples_per_update=samples,
-            updates_in_epoch=new["updates_in_epoch"] + applied,
-            clipped_in_epoch=new["clipped_in_epoch"] + applied * tf.cast(clipped, tf.float64),
-            skipped_updates=new["skipped_updates"] + skipped,
-            skipped_in_epoch=new["skipped_in_epoch"] + skipped,
-            first_skip=new["first_skip"]
-            + first * (new["updates_in_epoch"] + new["skipped_in_epoch"] + 1.0),
-            first_skip_samples=new["first_skip_samples"] + first * samples,
+        self.stats.assign(
+            _stats.after_update(self.stats.read_value(), applied, norm, clipped, samples)
         )
-        self.stats.assign(tf.stack([new[name] for name in _STATS]))
 
     def _apply_gradients(self, optimizer, grads):
         variables = self.model.trainable_weights
         # Accumulated float16 and bfloat16 gradients are float32.
         grads = [_cast(g, v.dtype) for g, v in zip(grads, variables)]
         optimizer.apply(grads, variables)
-
-
-_STATS = (
-    "grad_norm",
-    "samples_per_update",
-    "updates_in_epoch",
-    "clipped_in_epoch",
-    "skipped_updates",
-    "skipped_in_epoch",
-    "first_skip",
-    "first_skip_samples",
-    # The epoch's applied updates: min, sum and max of their gradient norm
-    # and of their samples.
-    "grad_norm_min",
-    "grad_norm_sum",
-    "grad_norm_max",
-    "samples_min",
-    "samples_sum",
-    "samples_max",
-)
-_KEPT_ACROSS_EPOCHS = [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0] + [0.0] * 6
-
-
-def _spread(stats, applied, **values):
-    """The stats' min, sum and max of each value, updated when `applied` is 1.
-
-    `stats` holds the values before this update; a skipped update (whose norm
-    is not finite) leaves them as they are.
-    """
-    first = tf.equal(stats["updates_in_epoch"], 0.0)
-    kept = tf.equal(applied, 0.0)
-    new = {}
-    for name, value in values.items():
-        low, total, high = (stats[f"{name}_{part}"] for part in ("min", "sum", "max"))
-        value = tf.cast(value, total.dtype)
-        new[f"{name}_min"] = tf.where(kept, low, tf.where(first, value, tf.minimum(low, value)))
-        new[f"{name}_sum"] = tf.where(kept, total, total + value)
-        new[f"{name}_max"] = tf.where(kept, high, tf.where(first, value, tf.maximum(high, value)))
-    return new
-
-
-def _spread_logs(stats):
-    """`grad_norm_min`, `_mean`, `_max` and `samples_per_update_min`, `_mean`, `_max`."""
-    updates = stats[_STATS.index("updates_in_epoch")]
-    logs = {}
-    for name, stat in (("grad_norm", "grad_norm"), ("samples_per_update", "samples")):
-        logs[f"{name}_min"] = stats[_STATS.index(f"{stat}_min")]
-        logs[f"{name}_mean"] = tf.math.divide_no_nan(stats[_STATS.index(f"{stat}_sum")], updates)
-        logs[f"{name}_max"] = stats[_STATS.index(f"{stat}_max")]
-    return logs
 
 
 def all_reduced_totals(micro):

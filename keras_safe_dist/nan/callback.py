@@ -6,7 +6,7 @@ import warnings
 
 import keras
 
-from keras_safe_dist import _update
+from keras_safe_dist import _stats
 from keras_safe_dist import _validate
 from keras_safe_dist import distributed
 from keras_safe_dist import summaries
@@ -392,6 +392,6 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     def _updates_in_epoch(self):
         stats = self.model._update_engine.stats.numpy()
-        return int(stats[_update._STATS.index("updates_in_epoch")])
+        return int(stats[_stats.index("updates_in_epoch")])
 
 

@@ -68,7 +68,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_safe_dist import _update
+from keras_safe_dist import _stats
 
 __all__ = [
     "LOG_NAMES",
@@ -372,7 +372,7 @@ class NaNProbe:
         logs = {"nonfinite_replicas": _nonfinite_sum(groups, self._scales(), self.dtype)}
         if "applied_updates" in self.log_names:
             stats = self.model._update_engine.stats
-            logs["applied_updates"] = stats[_update._STATS.index("updates_in_epoch")]
+            logs["applied_updates"] = stats[_stats.index("updates_in_epoch")]
         return logs
 
     # In-graph, cross-replica context: a multi-step execution's loop.
