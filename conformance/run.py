@@ -3,9 +3,11 @@
 Downloads the sdist of the installed Keras, runs twelve of its test files
 twice against the installed Keras, stock and with every `keras.Model` swapped
 for `SafeDistributedModel`, and lists each test that passes stock but not
-swapped. See docs/conformance.md.
+swapped. `--backend jax` runs them on Keras's JAX backend (`KERAS_BACKEND=jax`);
+`--ci` runs a subset on each backend. See docs/conformance.md.
 
-Usage: python3 conformance/run.py [--ci] [--files NAME ...] [-k EXPR] [--keep]
+Usage: python3 conformance/run.py [--ci] [--backend {tensorflow,jax}] [--files NAME ...]
+       [-k EXPR] [--keep]
 """
 
 import argparse
@@ -42,6 +44,19 @@ TEST_FILES = (
 )
 # `--ci` runs all but trainer_test.py, which alone takes 60% of the time (docs/conformance.md).
 CI_FILES = tuple(name for name in TEST_FILES if name != "trainers/trainer_test.py")
+# On JAX: every file but TensorFlow's own; `--ci` runs the model, trainer and saving ones.
+JAX_FILES = tuple(name for name in TEST_FILES if not name.startswith("backend/tensorflow/"))
+JAX_CI_FILES = (
+    "models/model_test.py",
+    "models/functional_test.py",
+    "models/sequential_test.py",
+    "trainers/trainer_test.py",
+    "saving/saving_lib_test.py",
+)
+# The JAX CI pass leaves out what tests neither the model class nor its step and takes a
+# quarter of the time: saving lib's EfficientNet weight sharding and model quantization.
+JAX_CI_KEYWORD = "not test_weights_sharding_efficientnet and not test_quantize"
+BACKENDS = ("tensorflow", "jax")
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / "conformance" / ".cache"
@@ -51,9 +66,11 @@ _MODEL_PATHS = {f"{module}.Model" for module in _MODEL_MODULES} | {"models.Model
 _CLASS_CHECKS = {"isinstance", "issubclass", "assertIsInstance", "assertNotIsInstance"}
 _IMPORT = "from keras_safe_dist import SafeDistributedModel; "
 
-# Keras's repository conftest.py is not in the sdist; this is what it does on the TF backend.
+# Keras's repository conftest.py is not in the sdist; this is what it does on the TF and
+# JAX backends (JAX_DEFAULT_DTYPE_BITS=32 is set in the child's environment).
 _CONFTEST = '''"""Written by keras_safe_dist's conformance/run.py."""
 import pytest
+from keras.src.backend import backend
 
 
 def pytest_configure(config):
@@ -61,10 +78,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multi_device: several devices only")
 
 
+def _devices():
+    # Keras's conftest counts devices for jax and torch only: on TF there is one.
+    if backend() != "jax":
+        return 1
+    import jax
+
+    return jax.device_count()
+
+
 def pytest_collection_modifyitems(config, items):
-    # Keras's conftest counts devices for jax and torch only: on TF these are skipped.
+    single = _devices() < 2
     for item in items:
-        if "multi_device" in item.keywords:
+        if "multi_device" in item.keywords and single:
             item.add_marker(pytest.mark.skip(reason="Requires multiple devices"))
 '''
 # trainer_test.py imports jax at the top but uses it in a few tests only. Without jax,
@@ -171,9 +197,12 @@ def prepare(sdist, files, dest, swap):
             (dest / target).write_text(text)
 
 
-def start_pytest(copy, files, keyword):
+def start_pytest(copy, files, keyword, backend="tensorflow"):
     """Starts pytest on `files` in the copy folder; JUnit XML and log are written beside it."""
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+    if backend == "jax":
+        # Keras's conftest: tests that enable x64 keep float32 as the default dtype.
+        env["JAX_DEFAULT_DTYPE_BITS"] = "32"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "pytest", *files, "-p", "no:cacheprovider",
                "-o", "junit_family=xunit1", f"--junitxml={copy}.xml"]
@@ -267,56 +296,101 @@ def report(files, stock, swapped, seconds):
     return unexpected, kept
 
 
-def _chosen_files(args):
+def _passes(args):
+    """[(backend, files, pytest -k expression or None)]: the passes to run, in order."""
     if args.ci:
-        return list(CI_FILES)
+        if args.files:
+            raise SetupError("--ci runs a fixed subset; pass --files without --ci.")
+        subsets = {"tensorflow": (CI_FILES, None), "jax": (JAX_CI_FILES, JAX_CI_KEYWORD)}
+        backends = [args.backend] if args.backend else list(BACKENDS)
+        return [(backend, list(subsets[backend][0]), _both(args.keyword, subsets[backend][1]))
+                for backend in backends]
+    backend = args.backend or "tensorflow"
+    available = TEST_FILES if backend == "tensorflow" else JAX_FILES
     if not args.files:
-        return list(TEST_FILES)
-    by_name = {name: name for name in TEST_FILES} | {Path(name).stem: name for name in TEST_FILES}
+        return [(backend, list(available), args.keyword)]
+    by_name = {name: name for name in available} | {Path(name).stem: name for name in available}
     unknown = [name for name in args.files if name not in by_name]
     if unknown:
-        raise SetupError(f"Unknown --files {unknown}. Available: {', '.join(TEST_FILES)} (or their stems).")
-    return [by_name[name] for name in args.files]
+        raise SetupError(f"Unknown --files {unknown} on {backend}. Available: "
+                         f"{', '.join(available)} (or their stems).")
+    return [(backend, [by_name[name] for name in args.files], args.keyword)]
+
+
+def _both(keyword, subset):
+    """A pytest -k expression selecting what both `keyword` and `subset` (either may be None) select."""
+    if not (keyword and subset):
+        return keyword or subset
+    return f"({keyword}) and ({subset})"
+
+
+def _check_backend(backend):
+    if backend == "jax" and importlib.util.find_spec("jax") is None:
+        raise SetupError("the JAX pass needs jax, which is not installed: "
+                         "pip install keras-safe-dist[jax] (or pass --backend tensorflow).")
+
+
+def run_pass(sdist, version, backend, files, keyword, args):
+    """Runs `files` stock and swapped on `backend` side by side; returns (stock, swapped, seconds, work)."""
+    _check_backend(backend)
+    work = Path(tempfile.mkdtemp(prefix=f"keras-conformance-{backend}-"))
+    for copy, swap in (("stock", False), ("swapped", True)):
+        prepare(sdist, files, work / copy, swap)
+    kept_where = f"logs in {work}" if args.keep else f"logs in {work}, removed at the end; --keep keeps them"
+    selected = f" (-k {keyword!r})" if keyword else ""
+    print(f"\n[{backend}] keras {version}: running {len(files)} test files{selected}, stock and "
+          f"swapped side by side ({kept_where}) ...", flush=True)
+    runs = [start_pytest(work / copy, files, keyword, backend) for copy in ("stock", "swapped")]
+    for process, log in runs:
+        process.wait()
+        log.close()
+    (stock, seconds), (swapped, _) = (read_junit(work / f"{copy}.xml") for copy in ("stock", "swapped"))
+    broken = import_errors(stock)
+    if broken:
+        raise SetupError(f"the stock copy could not import {broken}; see {work / 'stock.log'}")
+    return stock, swapped, seconds, work
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", nargs="+", metavar="NAME", help="test files to run, e.g. model_test")
-    parser.add_argument("--ci", action="store_true", help="run the CI subset: " + ", ".join(CI_FILES))
+    parser.add_argument("--ci", action="store_true",
+                        help="run the CI subsets: on TensorFlow " + ", ".join(CI_FILES)
+                        + "; on JAX " + ", ".join(JAX_CI_FILES) + f" with -k {JAX_CI_KEYWORD!r}"
+                        + " (both backends unless --backend)")
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help="Keras backend of the child pytest processes (default tensorflow; "
+                        "with --ci, both)")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression, passed to both runs")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (copies, logs, XML)")
     args = parser.parse_args(argv)
+    total_kept, total_unexpected = 0, 0
     try:
-        files = _chosen_files(args)
+        passes = _passes(args)
+        for backend, _, _ in passes:
+            _check_backend(backend)
         version = importlib.metadata.version("keras")
         sdist = fetch_sdist(version)
-        work = Path(tempfile.mkdtemp(prefix="keras-conformance-"))
-        for copy, swap in (("stock", False), ("swapped", True)):
-            prepare(sdist, files, work / copy, swap)
-        kept_where = f"logs in {work}" if args.keep else f"logs in {work}, removed at the end; --keep keeps them"
-        print(f"keras {version}: running {len(files)} test files, stock and swapped side by side "
-              f"({kept_where}) ...", flush=True)
-        start = time.monotonic()
-        runs = [start_pytest(work / copy, files, args.keyword) for copy in ("stock", "swapped")]
-        for process, log in runs:
-            process.wait()
-            log.close()
-        (stock, seconds), (swapped, _) = (read_junit(work / f"{copy}.xml") for copy in ("stock", "swapped"))
-        broken = import_errors(stock)
-        if broken:
-            raise SetupError(f"the stock copy could not import {broken}; see {work / 'stock.log'}")
+        for backend, files, keyword in passes:
+            start = time.monotonic()
+            stock, swapped, seconds, work = run_pass(sdist, version, backend, files, keyword, args)
+            print(f"\n[{backend}]", end="")
+            unexpected, kept = report(files, stock, swapped, seconds)
+            print(f"\n[{backend}] wall time {time.monotonic() - start:.0f} s for both runs.")
+            if args.keep:
+                print(f"Kept {work}")
+            else:
+                shutil.rmtree(work, ignore_errors=True)
+            if len(passes) > 1:
+                print(f"conformance ({backend}): {kept} passed, {len(unexpected)} failed", flush=True)
+            total_kept += kept
+            total_unexpected += len(unexpected)
     except SetupError as error:
         print(f"conformance setup failed: {error}", file=sys.stderr)
         return 2
-    unexpected, kept = report(files, stock, swapped, seconds)
-    print(f"\nWall time {time.monotonic() - start:.0f} s for both runs.")
-    if args.keep:
-        print(f"Kept {work}")
-    else:
-        shutil.rmtree(work, ignore_errors=True)
-    # Tests passing stock and swapped, and unexpected regressions.
-    print(f"conformance: {kept} passed, {len(unexpected)} failed")
-    return 1 if unexpected else 0
+    # Tests passing stock and swapped, and unexpected regressions, over every pass.
+    print(f"conformance: {total_kept} passed, {total_unexpected} failed")
+    return 1 if total_unexpected else 0
 
 
 if __name__ == "__main__":

@@ -110,10 +110,18 @@ def _add_doctor(commands):
             "Splits the CPU into N logical devices, prints the Python, Keras and "
             "TensorFlow versions, then runs one probe per known defect of "
             "data-parallel Keras training, each comparing stock Keras with "
-            "SafeDistributedModel on the same tiny model and data. Exit status: "
-            "0 when SafeDistributedModel passes every probe, 1 otherwise, 2 for "
-            "bad arguments."
+            "SafeDistributedModel on the same tiny model and data. With "
+            "--backend jax it runs the probes that exist on Keras's JAX backend "
+            "instead, in a process of its own on N JAX CPU devices under "
+            "keras.distribution.DataParallel, and lists the others as not "
+            "applicable. Exit status: 0 when SafeDistributedModel passes every "
+            "probe, 1 otherwise, 2 for bad arguments (or --backend jax without "
+            "jax installed)."
         ),
+    )
+    doctor.add_argument(
+        "--backend", choices=("tensorflow", "jax"), default="tensorflow",
+        help="Keras backend to probe (default tensorflow; jax needs the [jax] extra)",
     )
     doctor.add_argument(
         "--replicas", type=_replica_count, default=2,
@@ -130,6 +138,8 @@ _native_stderr_silenced = _quiet.native_stderr_silenced
 
 
 def _doctor(args):
+    if args.backend == "jax":
+        return _doctor_jax(args)
     # Imported here: the doctor loads TensorFlow and Keras, `launch` does not.
     quiet = not args.verbose
     with _native_stderr_silenced(quiet):
@@ -158,7 +168,7 @@ def _doctor(args):
         file=sys.stderr if args.json else sys.stdout, flush=True,
     )
     start = time.perf_counter()
-    results = doctor.run_probes(probes, strategy, progress=_print_progress)
+    results = doctor.run_probes(probes, strategy, progress=doctor.print_progress)
     print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if args.json:
         print(_json.dumps(doctor.to_json(versions, args.replicas, results), indent=2))
@@ -167,12 +177,21 @@ def _doctor(args):
     return doctor.exit_status(results)
 
 
-def _print_progress(index, total, probe, result):
-    prefix = f"[{index + 1}/{total}] {probe.name}"
-    if result is None:
-        print(f"{prefix} ...", file=sys.stderr, flush=True)
-    else:
-        print(f"{prefix}: {result.verdict} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
+def _doctor_jax(args):
+    # Keras's backend and JAX's device count are fixed at start-up: the probes
+    # run in a process of their own, which prints the report.
+    from keras_safe_dist.doctor import jax as doctor_jax
+
+    if not doctor_jax.installed():
+        print(
+            "keras-safe-dist doctor: --backend jax needs jax, which is not installed. "
+            f"Install it with `{doctor_jax.INSTALL_HINT}`.",
+            file=sys.stderr,
+        )
+        return 2
+    return doctor_jax.run(
+        args.replicas, as_json=args.json, only=args.only, verbose=args.verbose
+    )
 
 
 def _add_report(commands):

@@ -1,9 +1,10 @@
 """The `Probe` record and the `Side` result each half of a probe returns.
 
 A probe compares stock Keras with SafeDistributedModel on one known defect.
-Its `run(strategy)` returns two `Side`s: whether that side behaved correctly
-and the number (or the error, in one line) that shows it. `measure()` turns
-an exception into a result, so a crash is reported, not raised.
+Its `run(strategy)` (on JAX, `run(distribution)`) returns two `Side`s:
+whether that side behaved correctly and the number (or the error, in one
+line) that shows it. `measure()` turns an exception into a result, so a
+crash is reported, not raised.
 """
 
 import dataclasses
@@ -56,7 +57,8 @@ class Probe:
         name: short slug, used by `keras-safe-dist doctor --only`.
         checks: what the probe checks and the unit of its figure.
         run: called as `run(strategy)` with a `MirroredStrategy` over the
-            replicas; returns `(stock, safe)`, two `Side`s.
+            replicas (on JAX, the `keras.distribution.DataParallel` over the
+            devices); returns `(stock, safe)`, two `Side`s.
     """
 
     name: str
@@ -82,6 +84,8 @@ def measure(side):
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NODE = re.compile(r"\{\{[^}]*\}\}\s*")
 _PER_REPLICA = re.compile(r"PerReplica:\{.*\n\}", re.DOTALL)
+# JAX's IndivisibleError: `NamedSharding(mesh=Mesh(...), spec=..., memory_kind=device)` -> `NamedSharding`
+_SHARDING = re.compile(r"NamedSharding\(mesh=.*?memory_kind=\w+\)")
 _KERAS_WRAPPER = re.compile(r"^Exception encountered when calling [^\n]*\n+")
 # `<class 'tensorflow.python.distribute.values.PerReplica'>` -> `PerReplica`
 _CLASS_REPR = re.compile(r"<class '(?:[\w]+\.)*(\w+)'>")
@@ -93,6 +97,7 @@ def one_line(error):
     text = _ANSI.sub("", str(error))
     text = _KERAS_WRAPPER.sub("", text.strip())
     text = _PER_REPLICA.sub("PerReplica", text)
+    text = _SHARDING.sub("NamedSharding", text)
     text = _NODE.sub("", text)
     text = _CLASS_REPR.sub(r"\1", text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]

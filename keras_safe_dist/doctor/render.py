@@ -30,17 +30,35 @@ def format_figure(figure):
     return f"{figure:.4g}"
 
 
-def header(versions, replicas):
-    """Two lines of at most 100 characters: the number of replicas, then the versions."""
+_BACKENDS = {
+    # backend: (its name in the versions line, what the replicas are)
+    "tensorflow": ("TensorFlow", "replicas (logical CPU devices)"),
+    "jax": ("JAX", "devices (JAX CPU devices, keras.distribution.DataParallel)"),
+}
+
+
+def header(versions, replicas, backend="tensorflow"):
+    """Two lines of at most 100 characters: the number of replicas, then the versions.
+
+    Args:
+        versions: as returned by the backend's `versions()`: `python`,
+            `keras`, the backend's own (`tensorflow` or `jax`) and
+            `keras_safe_dist`.
+        replicas: the number of replicas (devices) the probes ran on.
+        backend: `"tensorflow"` or `"jax"`.
+    """
+    name, devices = _BACKENDS[backend]
     lines = [
-        f"keras-safe-dist doctor: {replicas} replicas (logical CPU devices)",
+        f"keras-safe-dist doctor: {replicas} {devices}",
         f"Python {versions['python']}, Keras {versions['keras']}, "
-        f"TensorFlow {versions['tensorflow']}, keras_safe_dist {versions['keras_safe_dist']}",
+        f"{name} {versions[backend]}, keras_safe_dist {versions['keras_safe_dist']}",
     ]
     return "\n".join(_wrap(line) for line in lines)
 
 
-def table(versions, replicas, results, with_header=True):
+def table(
+    versions, replicas, results, with_header=True, backend="tensorflow", not_applicable=()
+):
     """The report as text of at most 100 columns: a table, what each probe checks, a summary.
 
     The table has a row per probe (its stock and SafeDistributedModel cells
@@ -52,6 +70,9 @@ def table(versions, replicas, results, with_header=True):
         replicas: the number of replicas the probes ran on.
         results: a list of `Result`.
         with_header: start with the `header()` lines and a blank line.
+        backend: `"tensorflow"` or `"jax"`, for the header.
+        not_applicable: `NotApplicable` entries, listed with their reasons
+            above the summary.
 
     Returns:
         The report as one string, lines separated by newlines.
@@ -66,7 +87,7 @@ def table(versions, replicas, results, with_header=True):
         ])
     widths = [width for _, width in _COLUMNS]
     rule = "+-" + "-+-".join("-" * width for width in widths) + "-+"
-    lines = [header(versions, replicas), "", rule] if with_header else [rule]
+    lines = [header(versions, replicas, backend), "", rule] if with_header else [rule]
     for number, row in enumerate(rows):
         wrapped = [textwrap.wrap(text, width) or [""] for text, width in zip(row, widths)]
         for i in range(max(len(cell) for cell in wrapped)):
@@ -84,13 +105,25 @@ def table(versions, replicas, results, with_header=True):
             for result in results
         ]
         lines.append("")
+    if not_applicable:
+        lines.append(f"Not applicable on {_BACKENDS[backend][0]}:")
+        lines += [
+            _wrap(f"{entry.name}: {entry.reason}", first="  ", indent="    ")
+            for entry in not_applicable
+        ]
+        lines.append("")
     lines.append(_wrap(_summary(results)))
     return "\n".join(lines)
 
 
-def to_json(versions, replicas, results):
-    """The report as JSON-ready data: versions, replicas and one entry per probe."""
-    return {
+def to_json(versions, replicas, results, backend="tensorflow", not_applicable=()):
+    """The report as JSON-ready data: the backend, versions, replicas and one entry per probe.
+
+    A JAX report also lists the probes that do not apply there, with the
+    reason, under `not_applicable`.
+    """
+    document = {
+        "backend": backend,
         "versions": dict(versions),
         "replicas": replicas,
         "probes": [
@@ -105,6 +138,9 @@ def to_json(versions, replicas, results):
             for result in results
         ],
     }
+    if not_applicable:
+        document["not_applicable"] = [entry.to_json() for entry in not_applicable]
+    return document
 
 
 def _wrap(text, first="", indent=""):

@@ -1,17 +1,17 @@
-"""Runs the doctor's probes on N logical CPU replicas and collects their results."""
+"""The doctor on TensorFlow: N logical CPU replicas, a MirroredStrategy over them, the probes."""
 
-import dataclasses
 import platform
-import time
 
 import keras
 import tensorflow as tf
 
 import keras_safe_dist
 from keras_safe_dist import _validate
-from keras_safe_dist.doctor.probe import Probe
-from keras_safe_dist.doctor.probe import Side
 from keras_safe_dist.doctor.probes import PROBES
+from keras_safe_dist.doctor.result import Result
+from keras_safe_dist.doctor.result import choose
+from keras_safe_dist.doctor.result import exit_status
+from keras_safe_dist.doctor.result import run_probes
 
 __all__ = [
     "MIN_REPLICAS",
@@ -25,25 +25,6 @@ __all__ = [
 
 # The defects need several replicas; one would make every probe trivially pass.
 MIN_REPLICAS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Result:
-    """A probe's two sides and how long it took."""
-
-    probe: Probe
-    stock: Side
-    safe: Side
-    seconds: float
-
-    @property
-    def verdict(self):
-        """`FAIL`, `skipped`, `fixed` (stock shows the defect) or `stock ok`."""
-        if self.safe.ok is False:
-            return "FAIL"
-        if self.safe.ok is None:
-            return "skipped"
-        return "fixed" if self.stock.ok is False else "stock ok"
 
 
 def versions():
@@ -62,16 +43,7 @@ def select(names=None):
     Raises:
         ValueError: for an unknown name, listing the available ones.
     """
-    if not names:
-        return list(PROBES)
-    known = {probe.name: probe for probe in PROBES}
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise ValueError(
-            f"Unknown probe name(s): {', '.join(unknown)}. "
-            f"Available: {', '.join(known)}. Pass names from that list to --only."
-        )
-    return [probe for probe in PROBES if probe.name in names]
+    return choose(PROBES, names)
 
 
 def make_strategy(replicas):
@@ -102,27 +74,3 @@ def make_strategy(replicas):
             ) from None
     devices = [device.name for device in tf.config.list_logical_devices("CPU")]
     return tf.distribute.MirroredStrategy(devices[:replicas])
-
-
-def run_probes(probes, strategy, progress=None):
-    """Runs each probe; `progress(index, total, probe, result)` before (None) and after.
-
-    Returns:
-        A list of `Result`, one per probe.
-    """
-    results = []
-    for index, probe in enumerate(probes):
-        if progress is not None:
-            progress(index, len(probes), probe, None)
-        start = time.perf_counter()
-        stock, safe = probe.run(strategy)
-        result = Result(probe, stock, safe, time.perf_counter() - start)
-        results.append(result)
-        if progress is not None:
-            progress(index, len(probes), probe, result)
-    return results
-
-
-def exit_status(results):
-    """0 when SafeDistributedModel passed every probe that ran, else 1."""
-    return 1 if any(result.safe.ok is False for result in results) else 0

@@ -187,11 +187,18 @@ class JAXTrainer(_compat.EpochEndOverride):
             *zip(self.non_trainable_variables, non_trainable),
             *zip(self.metrics_variables, metrics_values),
         ]
+        engine = self._update_engine
         with keras.StatelessScope(state_mapping=mapping) as scope:
             with _compat.losses_override(self, losses):
-                micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
+                if engine.custom_loss:
+                    # An overridden compute_loss() gives the whole loss, as in
+                    # stock Keras's JAX step (which also keeps what it writes).
+                    loss = _compat.compute_loss(self, x, y, y_pred, sample_weight)
+                    micro = _loss.custom_loss(loss, y_pred, engine.steps > 1)
+                else:
+                    micro = _loss.micro_batch_loss(self, y, y_pred, sample_weight)
+        non_trainable = _current_values(scope, self.non_trainable_variables, non_trainable)
         metrics_values = _current_values(scope, self.metrics_variables, metrics_values)
-        engine = self._update_engine
         objective, logged = engine.objective(micro)
         if engine.loss_scale is not None:
             with keras.StatelessScope(
@@ -202,14 +209,19 @@ class JAXTrainer(_compat.EpochEndOverride):
         return objective, aux
 
     def _metrics_logs(self, metrics_values, trainable, logged, x, y, y_pred, sample_weight):
-        """Updates the loss tracker with the one-device loss, then the compiled metrics."""
+        """Updates the loss tracker with the one-device loss, then the compiled metrics.
+
+        The loss tracker weighs each batch by its samples, as stock Keras's
+        JAX step does (for an overridden compute_loss() too).
+        """
         value, weight = logged
         mapping = [
             *zip(self.trainable_variables, trainable),
             *zip(self.metrics_variables, metrics_values),
         ]
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            penalty = _loss.weight_regularization(self)
+            # An overridden compute_loss() includes the weight penalty already.
+            penalty = None if self._update_engine.custom_loss else _loss.weight_regularization(self)
             if penalty is not None:
                 value = value + penalty
             _compat.loss_tracker(self).update_state(value, sample_weight=weight)
@@ -247,6 +259,9 @@ class JAXUpdateEngine:
         self.options = dict(model.__dict__["_safe_dist_options"])
         self.loss_scale = _loss_scale_optimizer(model.optimizer)
         self.dtype = _loss.totals_dtype(model)
+        # An overridden compute_loss() gives the whole loss, weight
+        # regularization included when it calls Keras's.
+        self.custom_loss = _compat.compute_loss_is_overridden(model)
         self.epoch_open = False
         trainable = model.trainable_variables
         self.sums = []
@@ -475,7 +490,7 @@ class JAXUpdateEngine:
 
     def _add_weight_regularization(self, grads, trainable):
         model = self.model
-        if not any(
+        if self.custom_loss or not any(
             getattr(v, "regularizer", None) is not None for v in model.trainable_variables
         ):
             return grads
