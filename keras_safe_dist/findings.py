@@ -110,6 +110,10 @@ CODES = {
     "DIST005": Code(
         "stock model", "error", "stock fit under MultiWorkerMirroredStrategy"
     ),
+    # Backend: checks that have no meaning on the backend Keras runs on.
+    "JAX001": Code(
+        "backend", "info", "tf.distribute check that does not apply on the JAX backend"
+    ),
     # Non-finite values.
     "NAN001": Code("non-finite", "error", "non-finite value during training"),
     "NAN002": Code("non-finite", "error", "too many consecutive skipped updates"),

@@ -10,6 +10,7 @@ from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 from keras_safe_dist import _validate
 from keras_safe_dist.audits.stock import warn_no_update_statistics
 from keras_safe_dist.distributed import is_chief
+from keras_safe_dist.distributed import strategy_of
 from keras_safe_dist.statistics import LOG_NAMES
 from keras_safe_dist.statistics import PREFIX
 from keras_safe_dist.statistics import RUN
@@ -107,7 +108,7 @@ class Dashboard(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._close()
         warn_no_update_statistics(self.model, "Dashboard")
-        if not is_chief(self.model.distribute_strategy):
+        if not is_chief(strategy_of(self.model)):
             return
         # Before any training, with the message the other callbacks give.
         _validate.writable_directory("Dashboard", "log_dir", self.log_dir, optional=False)

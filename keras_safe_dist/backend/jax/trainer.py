@@ -17,6 +17,7 @@ keras_safe_dist/model.py; TensorFlow's step is in
 keras_safe_dist/backend/tensorflow/trainer.py.
 """
 
+import collections
 import contextlib
 
 import jax
@@ -60,6 +61,8 @@ class JAXTrainer(_compat.EpochEndOverride):
         # detector reads the logged loss and the update statistics.
         self._nan_probe_request = None
         self._nan_probe = None
+        # With a detector in fit(): the last group's micro-batches, by reference.
+        self.__dict__["_nan_batches"] = None
         self.__dict__["_engine_hidden"] = False
 
     @property
@@ -120,6 +123,8 @@ class JAXTrainer(_compat.EpochEndOverride):
     def make_train_function(self, force=False):
         if self._stats_logged != self._stats_requested:
             force = True  # the update statistics were asked for, or no more
+        if self.__dict__.get("_recording_batches", False) != (self._nan_probe_request is not None):
+            force = True  # a NaNOnsetDetector joined or left fit()
         if self.train_function is not None and not force:
             return self.train_function
         self._stats_logged = self._stats_requested
@@ -130,7 +135,21 @@ class JAXTrainer(_compat.EpochEndOverride):
             if engine is not None:
                 engine.flush()
             self._update_engine = JAXUpdateEngine(self)
-        return super().make_train_function(force=True)
+        super().make_train_function(force=True)
+        self.__dict__["_nan_batches"] = None
+        if self._nan_probe_request is not None:
+            # A NaNOnsetDetector replays the onset's micro-batches: keep
+            # references to the last group's (no copy, no host transfer).
+            batches = collections.deque(maxlen=self.gradient_accumulation_steps)
+            self.__dict__["_nan_batches"] = batches
+            function = self.train_function
+
+            def train_function(state, iterator):
+                return function(state, _Recorded(iterator, batches))
+
+            self.train_function = train_function
+        self.__dict__["_recording_batches"] = self._nan_batches is not None
+        return self.train_function
 
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_values, metrics_values = state
@@ -330,6 +349,10 @@ class JAXUpdateEngine:
             logs[f"{name}_max"] = stat[f"{key}_max"]
         return {name: logs[name] for name in self.LOG_NAMES}
 
+    def updates_in_epoch(self):
+        """The updates applied in this epoch so far (one host read)."""
+        return int(self.stats.value[_STATS.index("updates_in_epoch")])
+
     def first_skip(self):
         """`(update index, samples)` of the epoch's first skipped update, or None."""
         stats = dict(zip(_STATS, (float(v) for v in self.stats.value)))
@@ -517,6 +540,22 @@ class JAXUpdateEngine:
             i for i, v in enumerate(optimizer.variables) if v is optimizer.dynamic_scale
         )
         return optimizer_values[index]
+
+
+class _Recorded:
+    """An iterator that keeps a reference to each batch it yields in `batches`."""
+
+    def __init__(self, iterator, batches):
+        self.iterator = iterator
+        self.batches = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        self.batches.append(batch)
+        return batch
 
 
 def _updated_stats(stats, applied, norm, clipped, samples):
