@@ -4,8 +4,11 @@ workers in subprocesses."""
 import contextlib
 import gc
 import json
+import os
+import statistics
 import subprocess
 import sys
+import time
 
 
 @contextlib.contextmanager
@@ -26,15 +29,57 @@ def no_collection():
         gc.enable()
 
 
-def run_worker(script, arguments, what):
+def epoch_seconds(model, x, y, batch):
+    """Seconds of one `fit()` epoch, unshuffled, without garbage collection."""
+    with no_collection():
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        return time.perf_counter() - start
+
+
+def interleave(configs, baseline, x, y, batch, rounds):
+    """Times `configs` (name: model) epoch by epoch in rotating order.
+
+    Returns:
+        name: median epoch seconds, median ratio to `baseline`, and the fixed
+        cost per step against it in microseconds.
+    """
+    for model in configs.values():
+        epoch_seconds(model, x, y, batch)  # warm-up: tracing and building
+    names = list(configs)
+    times = {name: [] for name in names}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(epoch_seconds(configs[name], x, y, batch))
+    steps = -(-len(x) // batch)
+    base = statistics.median(times[baseline])
+    return {
+        name: {
+            "median_epoch_s": statistics.median(times[name]),
+            "median_ratio": statistics.median(
+                t / b for t, b in zip(times[name], times[baseline])
+            ),
+            "per_step_us": 1e6 * (statistics.median(times[name]) - base) / steps,
+            "steps": steps,
+        }
+        for name in names
+    }
+
+
+def run_worker(script, arguments, what, env=None):
     """Runs `script` with `arguments` in a new Python process; returns the JSON
     it prints on its last line of output.
+
+    Args:
+        env: variables to set in the worker's environment, beside this one's.
 
     Raises:
         RuntimeError: when the worker fails, with the end of its stderr.
     """
     command = [sys.executable, script, *arguments]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    environment = {**os.environ, **(env or {})}
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=environment)
     if done.returncode != 0:
         raise RuntimeError(
             f"The {what} worker failed with exit code {done.returncode}:\n{done.stderr[-4000:]}"

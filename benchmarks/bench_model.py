@@ -21,6 +21,13 @@ Five sections, all by default, or those named with `--only`:
   with `m` and `gradient_accumulation_steps=4`, each in a fresh process.
   Accumulation should cost at most one copy of the trainable parameters.
 
+With `--backend jax` it runs instead, in a process of its own
+(benchmarks/_model_jax.py, KERAS_BACKEND=jax): SafeDistributedModel against
+stock Keras on two CPU devices under `keras.distribution.DataParallel`,
+batches they divide, for the MLP 64-256-256-10 and the convnet at batch 64,
+both with `jit_compile=True`, and SafeDistributedModel with
+`skip_nonfinite=False` beside them.
+
 Speed method: after a warm-up epoch of each configuration, each round runs
 one epoch of every configuration of a group, in an order that rotates every
 round, so drift hits all alike. A configuration's ratio is the median over
@@ -29,6 +36,7 @@ cost per step is the difference of the median epoch times over the steps.
 
 Usage:
     PYTHONPATH=. python benchmarks/bench_model.py [--only SECTION ...] [--rounds N] [--quick] [--json]
+    PYTHONPATH=. python benchmarks/bench_model.py --backend jax [--rounds N] [--quick] [--json]
 """
 
 import argparse
@@ -49,6 +57,8 @@ import keras  # noqa: E402
 
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
 
+from _timing import epoch_seconds  # noqa: E402
+from _timing import interleave  # noqa: E402
 from _timing import no_collection  # noqa: E402
 from _timing import run_worker  # noqa: E402
 
@@ -113,41 +123,7 @@ def _data(name, quick):
     return x, y, batch
 
 
-def _epoch(model, x, y, batch):
-    with no_collection():
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
-        return time.perf_counter() - start
-
-
-def interleave(configs, baseline, x, y, batch, rounds):
-    """Times `configs` (name: model) epoch by epoch in rotating order.
-
-    Returns:
-        name: median epoch seconds, median ratio to `baseline`, and the fixed
-        cost per step against it in microseconds.
-    """
-    for model in configs.values():
-        _epoch(model, x, y, batch)  # warm-up: tracing and building
-    names = list(configs)
-    times = {name: [] for name in names}
-    for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(_epoch(configs[name], x, y, batch))
-    steps = -(-len(x) // batch)
-    base = statistics.median(times[baseline])
-    return {
-        name: {
-            "median_epoch_s": statistics.median(times[name]),
-            "median_ratio": statistics.median(
-                t / b for t, b in zip(times[name], times[baseline])
-            ),
-            "per_step_us": 1e6 * (statistics.median(times[name]) - base) / steps,
-            "steps": steps,
-        }
-        for name in names
-    }
+_epoch = epoch_seconds
 
 
 def step_times(configs, x, y, batch, rounds, steps):
@@ -430,6 +406,36 @@ def _print_report(report):
         _print_memory(report["memory"], report["setup"])
 
 
+def _print_jax(report, rounds):
+    load = ", ".join(f"{value:.1f}" for value in report["load_average"])
+    print(
+        f"JAX backend, {report['devices']} CPU devices under DataParallel, jit_compile=True "
+        f"({rounds} rounds; SGD; load average at the end {load})"
+    )
+    print(
+        f"{'configuration':<56}{'epoch ms':>10}{'ratio':>8}{'per step':>12}"
+        f"{'step':>10}{'step cost':>12}"
+    )
+    for model_name, rows in report["results"].items():
+        for name, row in rows.items():
+            print(
+                f"{model_name + ', ' + name:<56}{row['median_epoch_s'] * 1e3:>10.1f}"
+                f"{row['median_ratio']:>8.3f}{row['per_step_us']:>+9.0f} us"
+                f"{row['step_us']:>7.0f} us{row['step_cost_us']:>+9.0f} us"
+            )
+    print(
+        "(ratio: median over rounds of epoch time / stock's, same round; per step: from the"
+        " median epochs, against stock; step: train_function alone, median us per step)"
+    )
+
+
+def bench_jax(rounds, quick):
+    """The JAX comparison, in a process of its own (the backend is fixed at import)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_model_jax.py")
+    arguments = ["--rounds", str(rounds)] + (["--quick"] if quick else [])
+    return run_worker(script, arguments, "JAX", env={"KERAS_BACKEND": "jax"})
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -438,6 +444,12 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 9)")
     parser.add_argument("--quick", action="store_true", help="small sizes and 3 rounds, a smoke check")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument(
+        "--backend",
+        choices=("tensorflow", "jax"),
+        default="tensorflow",
+        help="jax: SafeDistributedModel against stock Keras on Keras's JAX backend (its own section)",
+    )
     parser.add_argument("--memory-worker", choices=list(MEMORY_CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--memory-batch", type=int, default=32, help=argparse.SUPPRESS)
     parser.add_argument("--memory-samples", type=int, default=256, help=argparse.SUPPRESS)
@@ -455,6 +467,13 @@ def main(argv=None):
     }
     if setup["rounds"] < 1:
         parser.error(f"--rounds must be an integer >= 1. Received: --rounds={setup['rounds']}")
+    if args.backend == "jax":
+        report = bench_jax(setup["rounds"], args.quick)
+        if args.json:
+            print(json.dumps({"setup": setup, **report}, indent=2))
+        else:
+            _print_jax(report, setup["rounds"])
+        return
     # One MirroredStrategy per process: instances over the same devices can
     # collide on collective keys.
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

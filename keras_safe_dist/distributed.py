@@ -1,5 +1,6 @@
 """Who is who in a multi-worker cluster."""
 
+import keras
 import tensorflow as tf
 
 
@@ -23,12 +24,28 @@ def is_chief(strategy=None):
         model.save("model.keras")  # one worker writes shared files
     ```
     """
+    if strategy is None and keras.backend.backend() == "jax":
+        import jax  # the JAX backend only
+
+        # No tf.distribute cluster on JAX: the chief is process 0.
+        return jax.process_index() == 0
     task_type, task_id, cluster = _task(strategy)
     if task_type is None:
         return True
     if task_type == "chief":
         return True
     return task_type == "worker" and task_id == 0 and "chief" not in cluster
+
+
+def strategy_of(model):
+    """`model.distribute_strategy` on TensorFlow; None on JAX, which has no strategy.
+
+    Callbacks pass it to `is_chief` and to `keras_safe_dist.summaries`; None
+    there means this process's own role (process 0 is the chief on JAX).
+    """
+    if keras.backend.backend() != "tensorflow":
+        return None
+    return model.distribute_strategy
 
 
 def worker_name(strategy=None):

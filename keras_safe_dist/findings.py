@@ -129,6 +129,10 @@ CODES = {
     "LOOP005": Code(
         "custom loop", "error", "train step does not thread the metric state"
     ),
+    # Backend: checks that have no meaning on the backend Keras runs on.
+    "JAX001": Code(
+        "backend", "info", "tf.distribute check that does not apply on the JAX backend"
+    ),
     # Non-finite values.
     "NAN001": Code("non-finite", "error", "non-finite value during training"),
     "NAN002": Code("non-finite", "error", "too many consecutive skipped updates"),

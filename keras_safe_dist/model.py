@@ -502,6 +502,7 @@ class _EpochBoundary(keras.callbacks.Callback):
             or not model.skip_nonfinite
             or engine.loss_scale is not None
             or model._nan_probe is not None
+            or model.__dict__.get("_nan_batches") is not None  # JAX's detector
         ):
             return
         first = engine.first_skip()

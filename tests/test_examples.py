@@ -112,3 +112,19 @@ def test_hunt_nan_names_batch_replica_and_layer_and_restores(tmp_path):
     assert lines[-2] == "weights finite after restore: True"
     assert lines[-1] == "report files in logs/hunt_nan; keras-safe-dist report logs/hunt_nan reads them"
     assert (tmp_path / "logs" / "hunt_nan" / "nan_onset.json").is_file()
+
+
+def test_jax_data_parallel_trains_audits_and_reports_on_jax(tmp_path):
+    # Its own process: it sets KERAS_BACKEND=jax and two CPU devices itself.
+    lines = run_example("jax_data_parallel.py", tmp_path).splitlines()
+    assert lines[0] == "devices: 2, micro-batches per epoch: 16, updates per epoch: 8"
+    epochs = [line.split() for line in lines[1:4]]
+    losses = [float(row[3].rstrip(",")) for row in epochs]
+    assert losses[-1] < losses[0]
+    assert all(line.endswith("last update 104 samples") for line in lines[1:4])
+    for name in ("scope", "aggregation", "training_mode"):
+        assert f"{name} audit: 0 errors, 0 warnings, 1 info (JAX001)" in lines
+    assert "NaN onset: none" in lines
+    assert "$ keras-safe-dist report logs/jax_data_parallel  (exit status 0)" in lines
+    assert "| safe_distributed | samples_per_update | 104 | 104 | 104 |" in lines
+    assert (tmp_path / "logs" / "jax_data_parallel" / "audit_scope.json").is_file()

@@ -4,6 +4,8 @@ import keras
 import tensorflow as tf
 
 from keras_safe_dist.audits.aggregation import aggregation_findings
+from keras_safe_dist.audits.jax_backend import not_applicable
+from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.audits.scope import CreationWatch
 from keras_safe_dist.audits.scope import ScopeError
 from keras_safe_dist.audits.scope import check_scope
@@ -47,6 +49,10 @@ def audit(model, strategy=None):
     accumulates per replica, a loss that mis-weights the replicas' shares). Checks that need training steps (`SCOPE005`, `MODE001`,
     `MODE002`, `MODE004`) run in the callbacks.
 
+    On Keras's JAX backend the aggregation, scope and stock-model checks
+    have no meaning (see `keras_safe_dist.audits.jax_backend`): the report
+    holds one `JAX001` finding (`info`) saying so, and `MODE003`.
+
     Args:
         model: a built `keras.Model`, compiled or not.
         strategy: the strategy training will run under; defaults to the
@@ -82,6 +88,10 @@ def audit(model, strategy=None):
             "variables yet. Call model.build(input_shape) or run it on one "
             "batch first."
         )
+    if on_jax():
+        findings = frozen_batch_norm_findings(model)
+        findings.append(not_applicable("audit()", ("aggregation", "scope", "stock model")))
+        return AuditReport("pre-flight", findings)
     strategy = training_strategy(model, strategy)
     findings, _ = aggregation_findings(model, strategy)
     findings += scope_findings(model, strategy)

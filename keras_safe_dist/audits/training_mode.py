@@ -12,6 +12,7 @@ import numpy as np
 
 from keras_safe_dist import _compat
 from keras_safe_dist.audits import _variables
+from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.findings import Finding
 
 __all__ = [
@@ -119,17 +120,19 @@ class TrainingModeSnapshot:
     """
 
     def __init__(self, model):
-        self.replicas = model.distribute_strategy.num_replicas_in_sync
+        # On JAX a variable is one global array: no replica copies to compare.
+        self.replicas = 1 if on_jax() else model.distribute_strategy.num_replicas_in_sync
         self._watched = training_dependent_layers(model)
         excluded = {id(v) for _, _, state in self._watched for v in state}
         self._other = [
             v
             for v in model.non_trainable_variables
             if id(v) not in excluded
+            and not on_jax()
             and _variables.describe(v, "", "").container == "mirrored"
         ]
         self._before = {
-            id(v): _variables.local_values(v)
+            id(v): _local_values(v)
             for _, _, state in self._watched
             for v in state
         }
@@ -145,7 +148,7 @@ class TrainingModeSnapshot:
         """
         findings = []
         for layer, kind, state in self._watched:
-            after = {id(v): _variables.local_values(v) for v in state}
+            after = {id(v): _local_values(v) for v in state}
             if all(
                 _equal(self._before[id(v)], after[id(v)]) for v in state
             ):
@@ -157,6 +160,12 @@ class TrainingModeSnapshot:
             if not _all_replicas_equal({0: values}):
                 findings.append(_differs_across_replicas(variable, values))
         return findings
+
+
+def _local_values(variable):
+    if on_jax():
+        return [np.array(variable.value)]
+    return _variables.local_values(variable)
 
 
 def _batch_norms(model):

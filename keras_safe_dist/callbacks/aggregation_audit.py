@@ -4,6 +4,8 @@ from keras_safe_dist.audits import aggregation_findings
 from keras_safe_dist.audits import stock_findings
 from keras_safe_dist.audits import training_strategy
 from keras_safe_dist.audits._variables import all_variables
+from keras_safe_dist.audits.jax_backend import not_applicable
+from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
 from keras_safe_dist.findings import AuditReport
 
@@ -35,6 +37,10 @@ class AggregationAudit(AuditCallback):
     clipping, `DIST002` optimizer accumulation, `DIST003` and `DIST004` loss
     weighting, `DIST005` multi-worker fit); see `audits.stock_findings`.
 
+    On Keras's JAX backend variables are not aggregated across replicas:
+    the report, published once at train begin, holds one `JAX001` finding of
+    severity `info` and `.variables` stays empty.
+
     Args:
         log_dir: where to write the report; None writes nothing.
         on_finding: `"warn"`, `"raise"` or `"ignore"`; see `AuditCallback`.
@@ -64,10 +70,17 @@ class AggregationAudit(AuditCallback):
         self._audit(step=0)
 
     def on_epoch_end(self, epoch, logs=None):
+        if on_jax():
+            return
         if epoch == 0 and len(all_variables(self.model)) != len(self.variables):
             self._audit(step=1)
 
     def _audit(self, step):
+        if on_jax():
+            self.variables = []
+            finding = not_applicable("AggregationAudit", ("aggregation", "stock model"))
+            self.publish(AuditReport(self.name, [finding]), step=step, extra={"variables": []})
+            return
         strategy = training_strategy(self.model)
         findings, self.variables = aggregation_findings(self.model, strategy)
         findings += stock_findings(self.model, strategy)

@@ -7,6 +7,7 @@ import keras
 from keras_safe_dist import _validate
 from keras_safe_dist import summaries
 from keras_safe_dist.distributed import is_chief
+from keras_safe_dist.distributed import strategy_of
 from keras_safe_dist.findings import CODES
 
 __all__ = ["AuditCallback", "AuditError", "AuditWarning"]
@@ -128,7 +129,7 @@ class AuditCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._acted_on = set()
-        if self.log_dir is not None and is_chief(self.model.distribute_strategy):
+        if self.log_dir is not None and is_chief(strategy_of(self.model)):
             # Before any training, rather than when the first report is written.
             _validate.writable_directory(type(self).__name__, "log_dir", self.log_dir)
 
@@ -153,7 +154,7 @@ class AuditCallback(keras.callbacks.Callback):
                 report,
                 step,
                 extra=extra,
-                strategy=self.model.distribute_strategy,
+                strategy=strategy_of(self.model),
             )
         serious = report.at_least("warning")
         new = [f for f in serious if (f.code, f.subject) not in self._acted_on]

@@ -17,6 +17,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 from keras_safe_dist import _validate
 from keras_safe_dist.audits.stock import warn_no_update_statistics
 from keras_safe_dist.distributed import is_chief
+from keras_safe_dist.distributed import strategy_of
 from keras_safe_dist.statistics import LOG_NAMES
 from keras_safe_dist.statistics import PREFIX
 from keras_safe_dist.statistics import RUN
@@ -189,7 +190,7 @@ class Dashboard(keras.callbacks.Callback):
         self._accumulation = int(getattr(self.model, "gradient_accumulation_steps", 1) or 1)
         self._execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
         self.on_epoch_begin(None)
-        if not is_chief(self.model.distribute_strategy):
+        if not is_chief(strategy_of(self.model)):
             return
         # Before any training, with the message the other callbacks give.
         _validate.writable_directory("Dashboard", "log_dir", self.log_dir, optional=False)

@@ -3,6 +3,8 @@
 from keras_safe_dist.audits import CreationWatch
 from keras_safe_dist.audits import scope_findings
 from keras_safe_dist.audits import training_strategy
+from keras_safe_dist.audits.jax_backend import not_applicable
+from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
 from keras_safe_dist.callbacks.audit_callback import AuditError
 from keras_safe_dist.findings import AuditReport
@@ -27,6 +29,11 @@ class ScopeAudit(AuditCallback):
     finding of the `fit()` so far, once per code and subject, and warns or
     raises only for the new ones. Put `ScopeAudit` before other callbacks so
     that their `on_train_begin` is watched too.
+
+    On Keras's JAX backend there is no strategy scope: the report, published
+    once at train begin, holds one `JAX001` finding of severity `info` (an
+    info finding, not a warning, so that a script shared by both backends
+    runs quietly), and nothing is watched.
 
     Args:
         log_dir: where to write the report; None writes nothing.
@@ -59,6 +66,9 @@ class ScopeAudit(AuditCallback):
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._stop_watching()
+        if on_jax():
+            self.publish(AuditReport(self.name, [not_applicable("ScopeAudit", ("scope",))]))
+            return
         strategy = training_strategy(self.model)
         self._placement = scope_findings(self.model, strategy)
         self._epoch_done = None

@@ -5,6 +5,8 @@ import threading
 from keras_safe_dist import _validate
 from keras_safe_dist.audits import TrainingModeSnapshot
 from keras_safe_dist.audits import frozen_batch_norm_findings
+from keras_safe_dist.audits.jax_backend import not_applicable
+from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
 from keras_safe_dist.findings import AuditReport
 
@@ -33,6 +35,14 @@ class TrainingModeAudit(AuditCallback):
     steps ran). The batch hook reads variables on that one batch only and
     returns at once on every other; it is also safe for Keras's asynchronous
     batch-callback dispatch on backends that use it.
+
+    On Keras's JAX backend the batch hook only counts: Keras keeps the
+    variables out of the model during an epoch and dispatches batch hooks on
+    a thread, so the comparison is made at the end of the epoch in which
+    `check_after_steps` batches ran (the state compared only moves forward,
+    so the result is the same). `MODE002` and `MODE004` do not apply there
+    (no per-replica copies): the report says so once, in a `JAX001` finding
+    of severity `info`.
 
     Args:
         check_after_steps: training batches to run before comparing. Integer
@@ -81,7 +91,12 @@ class TrainingModeAudit(AuditCallback):
             if self._snapshot is None:
                 return
             self._steps += 1
-            if self._steps >= self.check_after_steps:
+            if self._steps >= self.check_after_steps and not on_jax():
+                self._check()
+
+    def on_epoch_end(self, epoch, logs=None):
+        with self._lock:
+            if on_jax() and self._snapshot is not None and self._steps >= self.check_after_steps:
                 self._check()
 
     def on_train_end(self, logs=None):
@@ -92,6 +107,9 @@ class TrainingModeAudit(AuditCallback):
     def _check(self):
         snapshot, self._snapshot = self._snapshot, None
         findings = list(self._frozen)
+        if on_jax():
+            self.model.jax_state_sync()  # Keras's JAX trainer: variables back on the model
+            findings.append(not_applicable("TrainingModeAudit", ("replica copies",)))
         if self._steps:
             findings += snapshot.findings()
         self.publish(AuditReport(self.name, findings), step=self._steps)

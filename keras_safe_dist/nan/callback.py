@@ -10,6 +10,7 @@ from keras_safe_dist import _stats
 from keras_safe_dist import _validate
 from keras_safe_dist import distributed
 from keras_safe_dist import summaries
+from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.model import SafeDistributedModel
 from keras_safe_dist.nan import locate as _nan_locate
 from keras_safe_dist.nan import probe as _nan_probe
@@ -18,6 +19,13 @@ from keras_safe_dist.nan import report as _nan_report
 __all__ = ["NaNOnsetDetector"]
 
 ACTIONS = ("stop", "restore", "continue")
+
+
+def _jax_locate():
+    # Imported on the JAX backend only: importing it imports jax.
+    from keras_safe_dist.nan import jax_locate
+
+    return jax_locate
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
@@ -53,6 +61,16 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     It writes `nan_onset.json`, the batch (`nan_onset_batch.npz`) and a
     markdown summary (`tf.summary.text`, tag `nan_onset`) into `log_dir` (the
     chief only), prints one paragraph, and keeps the report in `self.report`.
+
+    On Keras's JAX backend the step carries no probes: the detector checks
+    each step's logged loss, `grad_norm` and `skipped_updates` (reading the
+    logs each batch, so Keras's asynchronous batch hooks are off during its
+    `fit()`), and the weights at an onset and at epoch ends. At the onset
+    it replays the micro-batches of that update group eagerly with
+    `model.stateless_call` (see `keras_safe_dist.nan.jax_locate`) to name the
+    kind, the first layer with a non-finite output from finite inputs and
+    the sample `rows` of the micro-batch that hold the value; a batch is one
+    global array there, so `replica` is None and `replicas` empty.
 
     With a plain `keras.Model` only the logged loss is checked each step, and
     the weights when it turns non-finite and at epoch ends: the report has
@@ -152,21 +170,24 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         model = self.model
         self._probe = getattr(model, "_nan_probe", None)
         self._full = isinstance(model, SafeDistributedModel) and self._probe is not None
-        if self.action == "continue" and not (self._full and model.skip_nonfinite):
+        # Keras's JAX backend: the logs and the model state, no in-step probe.
+        self._jax = on_jax() and isinstance(model, SafeDistributedModel)
+        counts_skips = self._full or self._jax
+        if self.action == "continue" and not (counts_skips and model.skip_nonfinite):
             raise ValueError(
                 "NaNOnsetDetector(action='continue') needs a SafeDistributedModel with "
                 "skip_nonfinite=True, which skips non-finite updates. Received: "
                 f"{type(model).__name__}"
-                + (f" with skip_nonfinite={model.skip_nonfinite}" if self._full else "")
+                + (f" with skip_nonfinite={model.skip_nonfinite}" if counts_skips else "")
                 + ". Use action='stop' or 'restore', or a SafeDistributedModel."
             )
         self._check_steps_per_execution(model)
-        if self.log_dir is not None and distributed.is_chief(model.distribute_strategy):
+        if self.log_dir is not None and distributed.is_chief(distributed.strategy_of(model)):
             # Before any training: the report is written at the onset.
             _validate.writable_directory("NaNOnsetDetector", "log_dir", self.log_dir)
         self.report = None
         self._loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-        self._replicas = model.distribute_strategy.num_replicas_in_sync
+        self._replicas = 1 if on_jax() else model.distribute_strategy.num_replicas_in_sync
         self._recent = collections.deque(maxlen=self.history)
         self._step = 0
         self._epoch = 0
@@ -176,6 +197,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._skipped_seen = 0
         self._applied_seen = 0
         self._plain_snapshots = None
+        self._skips_logged = 0
 
     def _check_steps_per_execution(self, model):
         steps = getattr(model, "steps_per_execution", 1)
@@ -183,7 +205,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             return
         # A SafeDistributedModel's execution ends at the step that fired, and
         # says how many steps it ran; Keras's own returns only the last step's logs.
-        if not self._full:
+        if self._jax:
+            problem, fix = (
+                "Keras's JAX backend, whose executions report only their last step",
+                "Use steps_per_execution=1",
+            )
+        elif not self._full:
             problem, fix = (
                 f"a {type(model).__name__}, whose executions report only their last step",
                 "Use a SafeDistributedModel, or steps_per_execution=1",
@@ -206,19 +233,28 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._applied_seen = 0
+        batches = self._model.__dict__.get("_nan_batches") if self._jax else None
+        if batches is not None:
+            batches.clear()  # an accumulation group never spans epochs
 
     def on_train_batch_begin(self, batch, logs=None):
         self._execution_begin = batch
         if self.action == "restore" and not self._full:
-            # Plain keras.Model: two rotating copies, taken eagerly (no host sync).
+            # Plain keras.Model, or JAX: two rotating copies, taken eagerly (no host transfer).
             if self._plain_snapshots is None:
-                self._plain_snapshots = _nan_locate.PlainSnapshots(self.model)
+                self._plain_snapshots = (
+                    _jax_locate().JAXSnapshots(self.model)
+                    if on_jax()
+                    else _nan_locate.PlainSnapshots(self.model)
+                )
             self._plain_snapshots.take(self._step)
 
     # This hook reads the step's logs. Keras's TensorFlow trainer never
     # dispatches batch hooks asynchronously (its backend is not thread safe)
     # and converts the logs to Python numbers before calling any of them, so
-    # overriding it adds no host sync.
+    # overriding it adds no host sync. On JAX it does turn Keras's
+    # asynchronous dispatch off: reading each step's loss is how the
+    # detector names the onset batch without an in-step probe.
     def on_train_batch_end(self, batch, logs=None):
         logs = logs or {}
         flags = {name: logs.pop(name) for name in _nan_probe.LOG_NAMES if name in logs}
@@ -234,7 +270,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._recent.append({"epoch": self._epoch, "batch": batch, "loss": loss, "grad_norm": norm})
         self._previous, self._last_batch = self._last_batch, (self._epoch, batch)
         self._step += steps
-        if self.report is None:
+        if self.report is None and self._jax:
+            self._check_jax_step(logs, loss, norm)
+        elif self.report is None:
             logged = {
                 "loss": loss is not None and not math.isfinite(loss),
                 # Under loss scaling non-finite gradients are routine.
@@ -244,7 +282,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 step = _nan_probe.decode(flags, self._replicas) if flags else None
                 # Weights non-finite when this step began: the previous update broke them.
                 self._onset(step, logged, previous=step is not None and step.weights > 0)
-        if self.action == "continue" and "applied_updates" in flags:
+        if self.action == "continue" and self._jax:
+            applied = self.model._update_engine.updates_in_epoch()
+            self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
+            self._applied_seen = applied
+        elif self.action == "continue" and "applied_updates" in flags:
             applied = int(round(flags["applied_updates"]))
             self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
             self._applied_seen = applied
@@ -253,7 +295,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         logs = logs or {}
         for name in _nan_probe.LOG_NAMES:
             logs.pop(name, None)
-        if self.action == "continue" and self._full and not self.model.stop_training:
+        if self.report is None and self._jax and self._new_skip(logs):
+            # The epoch-end flush of a partial accumulation group was skipped.
+            self._onset(None, {"loss": False, "grad_norm": True})
+        if self.action == "continue" and (self._full or self._jax) and not self.model.stop_training:
             # A partial accumulation group may have been applied or skipped
             # after the last step (SafeDistributedModel's epoch-end flush).
             applied = self._updates_in_epoch()
@@ -302,7 +347,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if weights is None:
             weights = self._nonfinite_weights()
         shares = {}
-        if self._full:
+        if self._jax:
+            shares = self._locate_jax(report, step, logged, weights, previous)
+        elif self._full:
             restore = self._probe.restore if self.action == "restore" else None
             shares = _nan_locate.locate(model, self._probe, report, step, logged, weights, restore)
         else:
@@ -314,10 +361,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if self.action != "continue":
             model.stop_training = True
         _nan_report.finish(report, self.action, self.max_consecutive_skips)
-        named = {r: self._probe.named(share) for r, share in shares.items()}
+        named = shares if self._jax else {r: self._probe.named(share) for r, share in shares.items()}
         try:
             _nan_report.write(
-                report, self.log_dir, named, report["step"], model.distribute_strategy
+                report, self.log_dir, named, report["step"], distributed.strategy_of(model)
             )
         except OSError as error:
             # The report is what the user needs: keep it, print it, and say
@@ -330,7 +377,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 stacklevel=2,
             )
         self.report = report
-        if distributed.is_chief(model.distribute_strategy):
+        if distributed.is_chief(distributed.strategy_of(model)):
             print(report["summary"])
 
     def _onset_plain(self, report, weights, from_logs):
@@ -345,6 +392,66 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 report.update(kind="weights", variables=broken)
                 report["epoch"], report["batch"] = self._previous
 
+    def _check_jax_step(self, logs, loss, norm):
+        """On JAX: an onset when the step's loss or gradient norm is non-finite, or it skipped."""
+        logged = {
+            "loss": loss is not None and not math.isfinite(loss),
+            "grad_norm": norm is not None and not math.isfinite(norm) and not self._loss_scaled,
+        }
+        if not (self._new_skip(logs) or any(logged.values())):
+            return
+        weights = self._nonfinite_weights()
+        # The weights were non-finite before this step when it left them
+        # unchanged (skipped, or no update in it), or the copy from before it
+        # says so: the update before it broke them.
+        previous = bool(weights) and (
+            self.model.skip_nonfinite
+            if self._plain_snapshots is None
+            else not self._plain_snapshots.finite_before(self._step - 1)
+        )
+        self._onset(None, logged, previous=previous, weights=weights)
+
+    def _new_skip(self, logs):
+        skipped = logs.get("skipped_updates")
+        if skipped is None or self._loss_scaled:
+            return False
+        new = int(round(skipped)) > self._skips_logged
+        self._skips_logged = int(round(skipped))
+        return new
+
+    def _locate_jax(self, report, step, logged, weights, previous):
+        """Fills the report on JAX; returns `{None: (names, arrays)}` of the batch to save."""
+        model = self.model
+        report["rows"] = []
+        if previous or (weights and not logged["loss"] and not logged["grad_norm"]):
+            report.update(kind="weights", variables=list(weights))
+            return {}
+        fallback = "loss" if logged["loss"] else "gradients"
+        if weights:
+            # skip_nonfinite=False: the step applied its non-finite update.
+            if self._plain_snapshots is None or self._plain_snapshots.restore(self._step - 1) is None:
+                report["kind"] = fallback
+                report["notes"].append(
+                    "The step applied its non-finite update (skip_nonfinite=False), so the "
+                    "batch was not replayed; use action='restore' to replay it."
+                )
+                return {}
+        batches = list(model.__dict__.get("_nan_batches") or [])
+        index, found = _jax_locate().locate(model, batches)
+        if found.kind is None:
+            report["kind"] = fallback
+            report["notes"].append(
+                f"Replaying the batch failed ({found.error})." if found.error else
+                "Replaying the batch found every value finite; the step may not be deterministic."
+            )
+            return {}
+        report.update(kind=found.kind, layer=found.layer, rows=list(found.rows))
+        if found.variables:
+            report["variables"] = list(found.variables)
+        # The micro-batch of the group where the value entered.
+        report["batch"] -= len(batches) - 1 - index
+        return {None: _jax_locate().named_arrays(batches[index])}
+
     def _restore(self, report, previous):
         if self._full:
             if previous and self._previous is None:
@@ -356,7 +463,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             return
         restored = None
         if self._plain_snapshots is not None:
-            restored = self._plain_snapshots.restore(self._step - 1)
+            restored = self._plain_snapshots.restore(self._step - 1 - int(previous and self._jax))
         if restored is None:
             report["notes"].append("No finite copy of the weights was available to restore.")
         report["restored_to"] = restored
@@ -388,9 +495,13 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                     )
 
     def _nonfinite_weights(self):
+        if on_jax():
+            return _jax_locate().nonfinite_weights(self.model)
         return _nan_probe.WeightCheck.of(self.model)()
 
     def _updates_in_epoch(self):
+        if self._jax:
+            return self.model._update_engine.updates_in_epoch()
         stats = self.model._update_engine.stats.numpy()
         return int(stats[_stats.index("updates_in_epoch")])
 

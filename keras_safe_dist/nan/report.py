@@ -136,6 +136,10 @@ def paragraph(report):
     where = f"epoch {report['epoch']}, batch {report['batch']}"
     if report["replicas"]:
         where += f", replica {', '.join(str(r) for r in report['replicas'])}"
+    if report.get("rows"):
+        shown = ", ".join(str(r) for r in report["rows"][:10])
+        more = len(report["rows"]) - 10
+        where += f", sample rows {shown}{f' and {more} more' if more > 0 else ''}"
     text = [f"NaN onset at {where}: {what}."]
     if report["layer"]:
         text.append(f"First layer with a non-finite output from finite inputs: {report['layer']}.")
@@ -157,8 +161,12 @@ def paragraph(report):
 def markdown(report):
     """A markdown table of the report's fields followed by the paragraph."""
     rows = ["| field | value |", "| --- | --- |"]
-    for name in ("epoch", "batch", "kind", "layer", "variables", "replica", "action"):
+    names = ("epoch", "batch", "kind", "layer", "variables", "replica", "action")
+    if "rows" in report:  # JAX: sample rows instead of replicas
+        names = ("epoch", "batch", "kind", "layer", "variables", "rows", "action")
+    for name in names:
         value = report[name]
+        value = [str(v) for v in value] if name == "rows" else value
         value = ", ".join(value) if isinstance(value, list) else value
         rows.append(markdown_row((name, "" if value is None else value)))
     return "**NaN onset**\n\n" + "\n".join(rows) + "\n\n" + report["summary"]
@@ -191,7 +199,13 @@ def skips_finding(count, epoch, batch):
 
 
 def _batch_arrays(shares):
-    """`{name: array}` of the captured shares; rows of several replicas concatenated."""
+    """`{name: array}` of the captured shares; rows of several replicas concatenated.
+
+    A share keyed None is the whole micro-batch (JAX): no `replica` column.
+    """
+    if None in shares:
+        names, arrays = shares[None]
+        return dict(zip(names, arrays))
     names = None
     columns = {}
     rows = []

@@ -17,11 +17,13 @@ keras_safe_dist/model.py; TensorFlow's step is in
 keras_safe_dist/backend/tensorflow/trainer.py.
 """
 
+import collections
 import contextlib
 
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from keras import ops
 
 from keras_safe_dist import _compat
@@ -60,6 +62,8 @@ class JAXTrainer(_compat.EpochEndOverride):
         # detector reads the logged loss and the update statistics.
         self._nan_probe_request = None
         self._nan_probe = None
+        # With a detector in fit(): the last group's micro-batches, by reference.
+        self.__dict__["_nan_batches"] = None
         self.__dict__["_engine_hidden"] = False
 
     @property
@@ -120,6 +124,8 @@ class JAXTrainer(_compat.EpochEndOverride):
     def make_train_function(self, force=False):
         if self._stats_logged != self._stats_requested:
             force = True  # the update statistics were asked for, or no more
+        if self.__dict__.get("_recording_batches", False) != (self._nan_probe_request is not None):
+            force = True  # a NaNOnsetDetector joined or left fit()
         if self.train_function is not None and not force:
             return self.train_function
         self._stats_logged = self._stats_requested
@@ -130,7 +136,21 @@ class JAXTrainer(_compat.EpochEndOverride):
             if engine is not None:
                 engine.flush()
             self._update_engine = JAXUpdateEngine(self)
-        return super().make_train_function(force=True)
+        super().make_train_function(force=True)
+        self.__dict__["_nan_batches"] = None
+        if self._nan_probe_request is not None:
+            # A NaNOnsetDetector replays the onset's micro-batches: keep
+            # references to the last group's (no copy, no host transfer).
+            batches = collections.deque(maxlen=self.gradient_accumulation_steps)
+            self.__dict__["_nan_batches"] = batches
+            function = self.train_function
+
+            def train_function(state, iterator):
+                return function(state, _Recorded(iterator, batches))
+
+            self.train_function = train_function
+        self.__dict__["_recording_batches"] = self._nan_batches is not None
+        return self.train_function
 
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_values, metrics_values = state
@@ -345,6 +365,10 @@ class JAXUpdateEngine:
             logs[f"{name}_max"] = stat[f"{key}_max"]
         return {name: logs[name] for name in self.LOG_NAMES}
 
+    def updates_in_epoch(self):
+        """The updates applied in this epoch so far (one host read)."""
+        return int(self.stats.value[_STATS.index("updates_in_epoch")])
+
     def first_skip(self):
         """`(update index, samples)` of the epoch's first skipped update, or None."""
         stats = dict(zip(_STATS, (float(v) for v in self.stats.value)))
@@ -478,8 +502,17 @@ class JAXUpdateEngine:
             trainable, optimizer_values = apply((trainable, optimizer_values))
             applied = finite.astype("float32")
         elif model.skip_nonfinite:
-            trainable, optimizer_values = jax.lax.cond(
-                finite, apply, lambda operands: operands, (trainable, optimizer_values)
+            # The update is computed whatever `finite` says, then selected
+            # element-wise: XLA fuses the select into the update's own loop,
+            # where a lax.cond copies the weights and optimizer state in and
+            # out of its branches and blocks that fusion. XLA's cost analysis
+            # of the MLP 64-256-256-10 step on 2 CPU devices: 6.15 MB accessed
+            # with the cond, 4.46 MB with the select, stock Keras 3.44 MB.
+            updated = apply((trainable, optimizer_values))
+            trainable, optimizer_values = jax.tree_util.tree_map(
+                lambda new, old: jnp.where(finite, new, old),
+                updated,
+                (list(trainable), list(optimizer_values)),
             )
             applied = finite.astype("float32")
         else:
@@ -534,33 +567,77 @@ class JAXUpdateEngine:
         return optimizer_values[index]
 
 
+class _Recorded:
+    """An iterator that keeps a reference to each batch it yields in `batches`."""
+
+    def __init__(self, iterator, batches):
+        self.iterator = iterator
+        self.batches = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        self.batches.append(batch)
+        return batch
+
+
 def _updated_stats(stats, applied, norm, clipped, samples):
-    """The statistics after one update; the same rules as TensorFlow's `UpdateEngine`."""
-    old = {name: stats[i] for i, name in enumerate(_STATS)}
-    new = dict(old)
+    """The statistics after one update; the same rules as TensorFlow's `UpdateEngine`.
+
+    Written as a few operations on the whole vector, selected by constant
+    masks: one expression per statistic made XLA (CPU) compute each in a
+    kernel of its own, a dozen launches per step.
+    """
     norm = norm.astype("float32")
     samples = samples.astype("float32")
+    clipped = clipped.astype("float32")
     skipped = 1.0 - applied
-    first_skip = skipped * (old["skipped_in_epoch"] == 0).astype("float32")
-    first_update = old["updates_in_epoch"] == 0
-    kept = applied == 0
-    for name, value in (("grad_norm", norm), ("samples", samples)):
-        low, total, high = (old[f"{name}_{part}"] for part in ("min", "sum", "max"))
-        new[f"{name}_min"] = jnp.where(kept, low, jnp.where(first_update, value, jnp.minimum(low, value)))
-        new[f"{name}_sum"] = jnp.where(kept, total, total + value)
-        new[f"{name}_max"] = jnp.where(kept, high, jnp.where(first_update, value, jnp.maximum(high, value)))
-    new.update(
-        grad_norm=norm,
-        samples_per_update=samples,
-        updates_in_epoch=old["updates_in_epoch"] + applied,
-        clipped_in_epoch=old["clipped_in_epoch"] + applied * clipped.astype("float32"),
-        skipped_updates=old["skipped_updates"] + skipped,
-        skipped_in_epoch=old["skipped_in_epoch"] + skipped,
-        first_skip=old["first_skip"]
-        + first_skip * (old["updates_in_epoch"] + old["skipped_in_epoch"] + 1.0),
-        first_skip_samples=old["first_skip_samples"] + first_skip * samples,
+    updates, skipped_in_epoch = stats[_INDEX["updates_in_epoch"]], stats[_INDEX["skipped_in_epoch"]]
+    first_skip = skipped * (skipped_in_epoch == 0).astype("float32")
+    # The latest norm or sample count where a statistic takes one; where, not
+    # a product, so that a non-finite norm stays in its own entries.
+    value = jnp.where(_MASKS["of_norm"], norm, samples)
+    first = updates == 0  # the epoch's first applied update starts its min and max
+    spread = jnp.where(
+        _MASKS["min"],
+        jnp.where(first, value, jnp.minimum(stats, value)),
+        jnp.where(_MASKS["max"], jnp.where(first, value, jnp.maximum(stats, value)), stats + value),
     )
-    return jnp.stack([new[name] for name in _STATS])
+    counts = (
+        stats
+        + _MASKS["updates_in_epoch"] * applied
+        + _MASKS["clipped_in_epoch"] * (applied * clipped)
+        + _MASKS["skipped"] * skipped
+        + _MASKS["first_skip"] * (first_skip * (updates + skipped_in_epoch + 1.0))
+        + _MASKS["first_skip_samples"] * (first_skip * samples)
+    )
+    spread = jnp.where(applied == 0, stats, spread)  # a skipped update leaves the spread
+    return jnp.where(
+        _MASKS["latest"], value, jnp.where(_MASKS["spread"], spread, counts)
+    )
+
+
+_INDEX = {name: index for index, name in enumerate(_STATS)}
+
+
+def _mask(*names):
+    return np.array([name in names for name in _STATS])
+
+
+_MASKS = {
+    "of_norm": _mask("grad_norm", "grad_norm_min", "grad_norm_sum", "grad_norm_max"),
+    "latest": _mask("grad_norm", "samples_per_update"),
+    "spread": _mask(*(f"{n}_{p}" for n in ("grad_norm", "samples") for p in ("min", "sum", "max"))),
+    "min": _mask("grad_norm_min", "samples_min"),
+    "max": _mask("grad_norm_max", "samples_max"),
+    "updates_in_epoch": _mask("updates_in_epoch").astype("float32"),
+    "clipped_in_epoch": _mask("clipped_in_epoch").astype("float32"),
+    "skipped": _mask("skipped_updates", "skipped_in_epoch").astype("float32"),
+    "first_skip": _mask("first_skip").astype("float32"),
+    "first_skip_samples": _mask("first_skip_samples").astype("float32"),
+}
 
 
 def _current_values(scope, variables, values):

@@ -1,0 +1,237 @@
+"""Where a non-finite value came from on Keras's JAX backend: kind, layer, sample rows.
+
+On TensorFlow the train step carries the detector's probes (`probe.NaNProbe`).
+On JAX `NaNOnsetDetector` reads each step's logs (the loss, `grad_norm`,
+`skipped_updates`) instead, and at the first onset this module looks on the
+host: the weights (non-finite after an update that overflowed), then the
+micro-batches of the onset's accumulation group, which the JAX trainer keeps
+by reference while a detector is in `fit()` (`model._nan_batches`). Each is
+replayed eagerly with `model.stateless_call`, every layer's `call` wrapped to
+check its output, so nothing the replay changes (BatchNormalization
+statistics, seeds, metrics) reaches the model. On JAX a batch is one global
+array, so the report names sample rows, never a replica.
+
+Only the chief process's view is used; every process reads the same logs.
+"""
+
+import contextlib
+from typing import NamedTuple
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from keras_safe_dist import _compat
+
+__all__ = ["Found", "JAXSnapshots", "locate", "nonfinite_weights"]
+
+# Rows replayed one by one to name those with a non-finite loss.
+MAX_ROWS_REPLAYED = 256
+
+
+class Found(NamedTuple):
+    """What the replay of one micro-batch found.
+
+    Attributes:
+        kind: `inputs`, `activations`, `loss` or `gradients`, or None when
+            every value was finite.
+        layer: the first layer whose output is non-finite from finite
+            inputs, or None.
+        rows: the sample rows (0-based, in the micro-batch) holding the
+            non-finite value, or `[]` when they cannot be told.
+        variables: paths of the variables whose gradient is non-finite.
+        error: the error the replay raised, or None.
+    """
+
+    kind: Optional[str]
+    layer: Optional[str] = None
+    rows: tuple = ()
+    variables: tuple = ()
+    error: Optional[str] = None
+
+
+def nonfinite_weights(model):
+    """Paths of `model`'s floating trainable weights holding a NaN or an infinity."""
+    return [
+        v.path
+        for v in model.trainable_weights
+        if jnp.issubdtype(v.value.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(v.value)))
+    ]
+
+
+def locate(model, batches):
+    """Replays `batches` (the onset group's micro-batches, oldest first) in order.
+
+    Args:
+        model: the `SafeDistributedModel`, its variables on the model
+            (`jax_state_sync()` done) and holding the weights the group
+            was computed with.
+        batches: the `(x, y, sample_weight)` micro-batches.
+
+    Returns:
+        `(index, Found)` for the first micro-batch with a non-finite value,
+        or `(None, Found(None))`.
+    """
+    errors = []
+    for index, batch in enumerate(batches):
+        try:
+            found = _replay(model, *keras.utils.unpack_x_y_sample_weight(batch))
+        except Exception as error:  # noqa: BLE001 - a failed replay must not end training
+            errors.append(f"{type(error).__name__}: {error}")
+            continue
+        if found.kind is not None:
+            return index, found
+    return None, Found(None, error="; ".join(errors) or None)
+
+
+def named_arrays(batch):
+    """`(names, arrays)` of a micro-batch, as NumPy, for `nan_onset_batch.npz`."""
+    names, arrays = [], []
+    for name, part in zip(("x", "y", "sample_weight"), keras.utils.unpack_x_y_sample_weight(batch)):
+        flat = [a for a in keras.tree.flatten(part) if a is not None]
+        for i, array in enumerate(flat):
+            names.append(name if len(flat) == 1 else f"{name}.{i}")
+            arrays.append(np.asarray(array))
+    return names, arrays
+
+
+def _replay(model, x, y, sample_weight):
+    rows = _nonfinite_rows((x, y, sample_weight))
+    if rows:
+        return Found("inputs", rows=tuple(rows))
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    records = []
+    kwargs = {"training": True} if _compat.call_has_training_arg(model) else {}
+    with _wrapped_calls(model, records):
+        model.stateless_call(trainable, non_trainable, x, **kwargs)
+    for name, inputs_ok, output_rows in records:
+        if inputs_ok and output_rows is not None:
+            return Found("activations", layer=name, rows=tuple(output_rows))
+    loss, grads = _loss_and_gradients(model, trainable, non_trainable, x, y, sample_weight)
+    if not bool(jnp.isfinite(loss)):
+        return Found("loss", rows=tuple(_rows_with_nonfinite_loss(model, x, y, sample_weight)))
+    variables = tuple(
+        v.path
+        for v, g in zip(model.trainable_variables, grads)
+        if not bool(jnp.all(jnp.isfinite(g)))
+    )
+    if variables:
+        return Found("gradients", variables=variables)
+    return Found(None)
+
+
+def _loss_and_gradients(model, trainable, non_trainable, x, y, sample_weight):
+    optimizer = [v.value for v in model.optimizer.variables]
+    with model._engine_out_of_metrics():
+        metrics = [v.value for v in model.metrics_variables]
+        (_, aux), grads = jax.value_and_grad(model._objective, has_aux=True)(
+            trainable, non_trainable, metrics, optimizer, x, y, sample_weight
+        )
+    micro = aux[0]
+    loss = micro.numerator if micro.denominator is None else micro.numerator / micro.denominator
+    return loss, grads
+
+
+def _rows_with_nonfinite_loss(model, x, y, sample_weight):
+    """The rows whose loss alone is non-finite (the first `MAX_ROWS_REPLAYED`)."""
+    count = len(keras.tree.flatten(x)[0])
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    rows = []
+    for row in range(min(count, MAX_ROWS_REPLAYED)):
+        part = keras.tree.map_structure(
+            lambda a, r=row: None if a is None else np.asarray(a)[r : r + 1],
+            (x, y, sample_weight),
+        )
+        loss, _ = _loss_and_gradients(model, trainable, non_trainable, *part)
+        if not bool(jnp.isfinite(loss)):
+            rows.append(row)
+    return rows
+
+
+@contextlib.contextmanager
+def _wrapped_calls(model, records):
+    layers = _compat.flatten_layers(model)
+    for layer in layers:
+        object.__setattr__(layer, "call", _recording(layer, layer.call, records))
+    try:
+        yield
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "call")
+
+
+def _recording(layer, call, records):
+    def recorded_call(*args, **kwargs):
+        outputs = call(*args, **kwargs)
+        rows = _nonfinite_rows(outputs)
+        records.append((layer.name, not _nonfinite_rows((args, kwargs)), rows or None))
+        return outputs
+
+    return recorded_call
+
+
+def _nonfinite_rows(structure):
+    """Sorted rows (index on the first axis) holding a non-finite floating value."""
+    rows = set()
+    for value in keras.tree.flatten(structure):
+        if not hasattr(value, "dtype") or not hasattr(value, "shape") or not len(value.shape):
+            continue
+        if isinstance(value, keras.Variable):
+            continue  # a layer's own weights are not its inputs
+        array = np.asarray(value)
+        if not np.issubdtype(array.dtype, np.floating):
+            continue
+        bad = ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+        rows.update(int(r) for r in np.flatnonzero(bad))
+    return sorted(rows)
+
+
+class JAXSnapshots:
+    """Two rotating device copies of the weights and optimizer state (`action="restore"`).
+
+    Keras's JAX trainer donates the state to each step, so a copy is taken
+    (on the device, no host transfer) before each batch.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.sources = list(model.trainable_variables) + list(model.optimizer.variables)
+        self.slots = [None, None]
+        self.taken = 0
+
+    def take(self, step):
+        self.model.jax_state_sync()  # Keras's JAX trainer keeps the state off the model mid-epoch
+        self.slots[step % 2] = [jnp.copy(v.value) for v in self.sources]
+        self.taken = step + 1
+
+    def nonfinite_before(self, step):
+        """Paths of the weights that were non-finite before batch `step`."""
+        slot = self.slots[step % 2] or []
+        return [
+            variable.path
+            for variable, value in zip(self.model.trainable_variables, slot)
+            if jnp.issubdtype(value.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(value)))
+        ]
+
+    def finite_before(self, step):
+        """Whether the copy from before batch `step` holds finite weights only."""
+        return not self.nonfinite_before(step)
+
+    def restore(self, step):
+        """Restores the latest finite copy from before batch `step` or `step - 1`.
+
+        Returns:
+            `"before this batch"`, `"before the previous batch"`, or None.
+        """
+        for age in (0, 1):
+            if step - age < 0 or step - age >= self.taken or self.slots[(step - age) % 2] is None:
+                continue
+            if self.finite_before(step - age):
+                for variable, value in zip(self.sources, self.slots[(step - age) % 2]):
+                    variable.assign(value)
+                return "before this batch" if age == 0 else "before the previous batch"
+        return None

@@ -1,0 +1,317 @@
+"""The callbacks, the audits and `keras-safe-dist report` on Keras's JAX backend."""
+
+import glob
+import json
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.util import tensor_util
+
+import keras_safe_dist
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist import callbacks
+from keras_safe_dist import cli
+from keras_safe_dist.report import read_log_dir
+from keras_safe_dist.statistics import LOG_NAMES
+
+from conftest import regression_data
+
+
+class Root(keras.layers.Layer):
+    """sqrt(x): NaN for a negative input."""
+
+    def call(self, x):
+        return ops.sqrt(x)
+
+
+class AbsRoot(keras.layers.Layer):
+    """sqrt(|x|): finite everywhere, with an infinite derivative at 0."""
+
+    def call(self, x):
+        return ops.sqrt(ops.abs(x))
+
+
+def mlp(steps=1, skip_nonfinite=True, learning_rate=0.01, root=None):
+    """`root="activation"`: sqrt of the inputs; `"gradient"`: sqrt(|.|) after a Dense."""
+    inputs = keras.Input((4,))
+    x = inputs
+    if root == "activation":
+        x = Root(name="root")(x)
+    elif root == "gradient":
+        x = AbsRoot(name="root")(keras.layers.Dense(4, use_bias=False, name="pre")(x))
+    x = keras.layers.Dense(8, activation="relu", name="hidden")(x)
+    outputs = keras.layers.Dense(1, name="out")(x)
+    model = SafeDistributedModel(
+        inputs,
+        outputs,
+        gradient_accumulation_steps=steps,
+        global_clipnorm=1.0,
+        skip_nonfinite=skip_nonfinite,
+    )
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+    return model
+
+
+def fit(model, x, y, callbacks_, batch_size=8, epochs=2, **kwargs):
+    return model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks_,
+        shuffle=False, **kwargs,
+    )
+
+
+def scalars(run_dir, prefix):
+    accumulator = event_accumulator.EventAccumulator(
+        run_dir, size_guidance={event_accumulator.TENSORS: 0}
+    )
+    accumulator.Reload()
+    values = {}
+    for tag in accumulator.Tags()["tensors"]:
+        if tag.startswith(prefix):
+            values[tag[len(prefix):]] = [
+                float(tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)
+            ]
+    return values
+
+
+# Dashboard
+
+
+def test_dashboard_writes_the_history_values_to_tensorboard(tmp_path, devices):
+    x, y, _ = regression_data(44)  # 44 = 5 batches of 8 and one of 4
+    model = mlp(steps=2)
+    history = fit(model, x, y, [callbacks.Dashboard(str(tmp_path))], epochs=3)
+    written = scalars(str(tmp_path / "safe_distributed"), "safe_distributed/")
+    assert sorted(written) == sorted(LOG_NAMES)
+    for name in LOG_NAMES:
+        np.testing.assert_allclose(written[name], history.history[name], rtol=1e-6)
+    # 6 micro-batches, groups of 2: 3 updates of 16, 16 and 12 samples per epoch.
+    assert history.history["samples_per_update_min"] == [12.0] * 3
+    assert history.history["samples_per_update_mean"] == pytest.approx([44 / 3] * 3)
+    assert history.history["skipped_updates"] == [0.0] * 3
+
+
+# NaNOnsetDetector
+
+
+def test_nan_detector_names_the_layer_batch_and_row_of_a_non_finite_activation(
+    tmp_path, devices
+):
+    x, y, _ = regression_data(40)
+    x[:, :] = np.abs(x) + 0.5
+    x[21, 0] = -4.0  # batch 2 (rows 16-23), row 5 of it: sqrt of a negative
+    detector = callbacks.NaNOnsetDetector(log_dir=str(tmp_path))
+    model = mlp(steps=2, root="activation")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the detector reports; no skip warning besides
+        fit(model, x, y, [detector])
+    report = detector.report
+    assert (report["epoch"], report["batch"], report["kind"]) == (0, 2, "activations")
+    assert report["layer"] == "root"
+    assert report["rows"] == [5]
+    assert (report["replica"], report["replicas"]) == (None, [])
+    assert "sample rows 5" in report["summary"]
+    assert model.stop_training
+    assert not keras_safe_dist.nan.jax_locate.nonfinite_weights(model)
+    with open(tmp_path / "nan_onset.json") as f:
+        assert json.load(f)["layer"] == "root"
+    batch = np.load(tmp_path / "nan_onset_batch.npz")
+    assert sorted(batch.files) == ["x", "y"]
+    np.testing.assert_array_equal(batch["x"], x[16:24])
+
+
+def test_nan_detector_names_the_rows_of_non_finite_inputs(devices):
+    x, y, _ = regression_data(40)
+    x[9, 2] = np.nan  # batch 1, row 1
+    x[14, 0] = np.inf  # batch 1, row 6
+    detector = callbacks.NaNOnsetDetector()
+    fit(mlp(), x, y, [detector])
+    report = detector.report
+    assert (report["epoch"], report["batch"], report["kind"], report["rows"]) == (
+        0, 1, "inputs", [1, 6]
+    )
+
+
+def log_loss(y_true, y_pred):
+    # NaN for a negative target, from finite outputs.
+    return ops.mean(ops.square(y_pred - y_true) + 0.0 * ops.log(y_true), axis=-1)
+
+
+def test_nan_detector_names_the_rows_of_a_non_finite_loss(devices):
+    x, y, _ = regression_data(40)
+    y[:] = np.abs(y) + 0.5
+    y[13] = -1.0  # batch 1, row 5
+    model = mlp()
+    model.compile(optimizer="sgd", loss=log_loss)
+    detector = callbacks.NaNOnsetDetector()
+    fit(model, x, y, [detector])
+    report = detector.report
+    assert (report["batch"], report["kind"], report["layer"], report["rows"]) == (
+        1, "loss", None, [5]
+    )
+
+
+def test_nan_detector_names_the_variables_of_non_finite_gradients(devices):
+    x, y, _ = regression_data(40)
+    x[:, :] = np.abs(x) + 0.5
+    x[27] = 0.0  # batch 3: sqrt at 0 is finite, its derivative is not
+    detector = callbacks.NaNOnsetDetector()
+    model = mlp(root="gradient")
+    fit(model, x, y, [detector])
+    report = detector.report
+    assert (report["epoch"], report["batch"], report["kind"]) == (0, 3, "gradients")
+    assert report["variables"] == ["pre/kernel"]
+    assert report["layer"] is None
+    assert int(model._update_engine.stats.value[4]) == 1  # skipped, weights kept finite
+
+
+def test_nan_detector_blames_the_update_that_overflowed_the_weights(devices):
+    x, y, _ = regression_data(40)
+    detector = callbacks.NaNOnsetDetector()
+    model = mlp(learning_rate=1e37)
+    model.global_clipnorm = None
+    fit(model, x * 1e3, y * 1e3, [detector])
+    report = detector.report
+    assert report["kind"] == "weights"
+    assert report["batch"] == 0  # the first update broke them; batch 1's loss showed it
+    assert "hidden/kernel" in report["variables"]
+
+
+def test_nan_detector_restore_replays_an_applied_non_finite_update(devices):
+    x, y, _ = regression_data(40)
+    x[:, :] = np.abs(x) + 0.5
+    x[27] = 0.0
+    detector = callbacks.NaNOnsetDetector(action="restore")
+    model = mlp(root="gradient", skip_nonfinite=False)
+    fit(model, x, y, [detector])
+    report = detector.report
+    assert (report["batch"], report["kind"]) == (3, "gradients")
+    assert report["restored_to"] == "before this batch"
+    assert not keras_safe_dist.nan.jax_locate.nonfinite_weights(model)
+
+
+def test_nan_detector_continue_stops_after_consecutive_skips(devices, capsys):
+    x, y, _ = regression_data(40)
+    x[:, :] = np.abs(x) + 0.5
+    x[8::8] = 0.0  # batches 1 to 4 all skip
+    detector = callbacks.NaNOnsetDetector(action="continue", max_consecutive_skips=3)
+    model = mlp(root="gradient")
+    history = fit(model, x, y, [detector])
+    assert detector.report["batch"] == 1
+    assert detector.report["skips"]["code"] == "NAN002"
+    assert len(history.history["loss"]) == 1  # stopped in epoch 0
+    assert "3 consecutive updates were skipped" in capsys.readouterr().out
+
+
+def test_nan_detector_reads_the_loss_of_a_plain_keras_model(devices):
+    x, y, _ = regression_data(40)
+    x[13, 0] = np.nan
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    detector = callbacks.NaNOnsetDetector(action="restore")
+    fit(model, x, y, [detector])
+    report = detector.report
+    # Only the logged loss: the kind is `loss`, the batch the one the loss showed.
+    assert (report["batch"], report["kind"], report["localized"]) == (1, "loss", False)
+    assert report["variables"] == ["dense/kernel", "dense/bias"]  # the NaN update was applied
+    assert report["restored_to"] == "before this batch"
+    assert not keras_safe_dist.nan.jax_locate.nonfinite_weights(model)
+
+
+# Audits
+
+
+def test_audit_says_once_that_tf_distribute_checks_do_not_apply(devices):
+    model = mlp()
+    report = keras_safe_dist.audit(model)
+    assert report.codes() == ("JAX001",)
+    (finding,) = report.findings
+    assert finding.severity == "info"
+    assert "aggregation, scope, stock model" in finding.message
+
+
+def test_audit_still_flags_a_frozen_batch_norm(devices):
+    inputs = keras.Input((4,))
+    norm = keras.layers.BatchNormalization(name="norm")
+    norm.trainable = False
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(norm(inputs)))
+    assert keras_safe_dist.audit(model).codes() == ("MODE003", "JAX001")
+
+
+@pytest.mark.parametrize("audit_class", [callbacks.ScopeAudit, callbacks.AggregationAudit])
+def test_strategy_audits_report_one_info_finding(tmp_path, devices, audit_class):
+    x, y, _ = regression_data(44)
+    audit = audit_class(log_dir=str(tmp_path), on_finding="raise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", callbacks.AuditWarning)
+        fit(mlp(), x, y, [audit])
+    assert audit.report.codes() == ("JAX001",)
+    assert audit.report.counts() == {"error": 0, "warning": 0, "info": 1}
+    with open(tmp_path / f"audit_{audit.name}.json") as f:
+        assert [f_["code"] for f_ in json.load(f)["findings"]] == ["JAX001"]
+
+
+class FrozenModeModel(SafeDistributedModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.BatchNormalization()
+        self.drop = keras.layers.Dropout(0.5, seed=1)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        return self.out(self.drop(self.norm(x, training=False), training=False))
+
+
+def test_training_mode_audit_passes_a_training_model(devices):
+    inputs = keras.Input((4,))
+    x = keras.layers.Dropout(0.5, seed=1)(keras.layers.BatchNormalization()(inputs))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(x))
+    model.compile("sgd", "mse")
+    x_, y, _ = regression_data(44)
+    audit = callbacks.TrainingModeAudit(check_after_steps=2, on_finding="raise")
+    fit(model, x_, y, [audit], epochs=1)
+    assert audit.report.codes() == ("JAX001",)
+
+
+def test_training_mode_audit_flags_layers_called_in_inference_mode(devices):
+    model = FrozenModeModel()
+    model.compile("sgd", "mse")
+    x, y, _ = regression_data(44)
+    model(x[:2])  # builds the layers, so that the audit watches them from the start
+    audit = callbacks.TrainingModeAudit(check_after_steps=2, on_finding="ignore")
+    fit(model, x, y, [audit], epochs=1)
+    mode = [f for f in audit.report.findings if f.code == "MODE001"]
+    assert len(mode) == 2
+    # Named by path where the layer has one (the BatchNormalization), else by name.
+    assert {f.subject for f in mode} == {model.norm.path, model.drop.name}
+
+
+# keras-safe-dist report
+
+
+def test_report_reads_a_jax_run(tmp_path, devices, capsys):
+    x, y, _ = regression_data(44)
+    x[:, :] = np.abs(x) + 0.5
+    x[30, 0] = -4.0
+    log_dir = str(tmp_path)
+    cbs = [
+        callbacks.ScopeAudit(log_dir=log_dir),
+        callbacks.AggregationAudit(log_dir=log_dir),
+        callbacks.TrainingModeAudit(log_dir=log_dir),
+        callbacks.Dashboard(log_dir),
+        callbacks.NaNOnsetDetector(log_dir=log_dir),
+    ]
+    fit(mlp(root="activation"), x, y, cbs, epochs=1)
+    report = read_log_dir(log_dir)
+    assert sorted(a.name for a in report.audits) == ["aggregation", "scope", "training_mode"]
+    code = cli.main(["report", log_dir])
+    out = capsys.readouterr().out
+    assert code == 1  # the NaN onset is an error finding
+    assert "NAN001" in out and "JAX001" in out
+    assert "epoch 0, batch 3" in out
+    assert glob.glob(os.path.join(log_dir, "safe_distributed", "events.*"))
