@@ -7,6 +7,7 @@ names of `statistics.LOG_NAMES`. Written with `keras.ops`, so one rule serves
 both backends.
 """
 
+import numpy as np
 from keras import ops
 
 from keras_safe_dist import statistics
@@ -44,6 +45,10 @@ def index(name):
 def after_update(stats, applied, norm, clipped, samples):
     """The statistics vector after one update.
 
+    Written as a few operations on the whole vector, selected by constant
+    masks: one expression per field made XLA (CPU) compute each in a kernel
+    of its own, a dozen launches per step.
+
     Args:
         stats: the vector before the update.
         applied: whether the update was applied (a skipped one was not),
@@ -56,37 +61,52 @@ def after_update(stats, applied, norm, clipped, samples):
         The new vector, of `stats`'s dtype.
     """
     dtype = stats.dtype
-    old = {name: stats[i] for i, name in enumerate(FIELDS)}
     applied = ops.cast(applied, dtype)
     norm = ops.cast(norm, dtype)
     samples = ops.cast(samples, dtype)
+    clipped = ops.cast(clipped, dtype)
     skipped = 1.0 - applied
-    first_skip = skipped * ops.cast(ops.equal(old["skipped_in_epoch"], 0.0), dtype)
-    new = dict(old)
-    first_update = ops.equal(old["updates_in_epoch"], 0.0)
-    kept = ops.equal(applied, 0.0)
-    # A skipped update (its norm not finite) leaves the spread as it is.
-    for name, value in (("grad_norm", norm), ("samples", samples)):
-        low, total, high = (old[f"{name}_{part}"] for part in ("min", "sum", "max"))
-        new[f"{name}_min"] = ops.where(
-            kept, low, ops.where(first_update, value, ops.minimum(low, value))
-        )
-        new[f"{name}_sum"] = ops.where(kept, total, total + value)
-        new[f"{name}_max"] = ops.where(
-            kept, high, ops.where(first_update, value, ops.maximum(high, value))
-        )
-    new.update(
-        grad_norm=norm,
-        samples_per_update=samples,
-        updates_in_epoch=old["updates_in_epoch"] + applied,
-        clipped_in_epoch=old["clipped_in_epoch"] + applied * ops.cast(clipped, dtype),
-        skipped_updates=old["skipped_updates"] + skipped,
-        skipped_in_epoch=old["skipped_in_epoch"] + skipped,
-        first_skip=old["first_skip"]
-        + first_skip * (old["updates_in_epoch"] + old["skipped_in_epoch"] + 1.0),
-        first_skip_samples=old["first_skip_samples"] + first_skip * samples,
+    updates = stats[index("updates_in_epoch")]
+    skipped_in_epoch = stats[index("skipped_in_epoch")]
+    first_skip = skipped * ops.cast(ops.equal(skipped_in_epoch, 0.0), dtype)
+    # The latest norm or sample count where a field takes one; where, not a
+    # product, so that a non-finite norm stays in its own fields.
+    value = ops.where(_MASKS["of_norm"], norm, samples)
+    first = ops.equal(updates, 0.0)  # the epoch's first applied update starts min and max
+    spread = ops.where(
+        _MASKS["min"],
+        ops.where(first, value, ops.minimum(stats, value)),
+        ops.where(_MASKS["max"], ops.where(first, value, ops.maximum(stats, value)), stats + value),
     )
-    return ops.stack([new[name] for name in FIELDS])
+    # A skipped update (its norm not finite) leaves the spread as it is.
+    spread = ops.where(ops.equal(applied, 0.0), stats, spread)
+    counts = (
+        stats
+        + ops.cast(_MASKS["updates_in_epoch"], dtype) * applied
+        + ops.cast(_MASKS["clipped_in_epoch"], dtype) * (applied * clipped)
+        + ops.cast(_MASKS["skipped"], dtype) * skipped
+        + ops.cast(_MASKS["first_skip"], dtype) * (first_skip * (updates + skipped_in_epoch + 1.0))
+        + ops.cast(_MASKS["first_skip_samples"], dtype) * (first_skip * samples)
+    )
+    return ops.where(_MASKS["latest"], value, ops.where(_MASKS["spread"], spread, counts))
+
+
+def _mask(*names):
+    return np.array([name in names for name in FIELDS])
+
+
+_MASKS = {
+    "of_norm": _mask("grad_norm", "grad_norm_min", "grad_norm_sum", "grad_norm_max"),
+    "latest": _mask("grad_norm", "samples_per_update"),
+    "spread": _mask(*(f"{n}_{p}" for n in ("grad_norm", "samples") for p in ("min", "sum", "max"))),
+    "min": _mask("grad_norm_min", "samples_min"),
+    "max": _mask("grad_norm_max", "samples_max"),
+    "updates_in_epoch": _mask("updates_in_epoch"),
+    "clipped_in_epoch": _mask("clipped_in_epoch"),
+    "skipped": _mask("skipped_updates", "skipped_in_epoch"),
+    "first_skip": _mask("first_skip"),
+    "first_skip_samples": _mask("first_skip_samples"),
+}
 
 
 def logs(stats):

@@ -23,33 +23,13 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import keras
-import numpy as np
 from keras import ops
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
+from keras_safe_dist import _stats
 from keras_safe_dist import statistics
 
-# The per-update statistics kept in one float32 vector (JAX has no float64
-# unless x64 is enabled); the same names and meanings as TensorFlow's
-# `_update._STATS`.
-_STATS = (
-    "grad_norm",
-    "samples_per_update",
-    "updates_in_epoch",
-    "clipped_in_epoch",
-    "skipped_updates",
-    "skipped_in_epoch",
-    "first_skip",
-    "first_skip_samples",
-    "grad_norm_min",
-    "grad_norm_sum",
-    "grad_norm_max",
-    "samples_min",
-    "samples_sum",
-    "samples_max",
-)
-_KEPT_ACROSS_EPOCHS = (1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0) + (0.0,) * 6
 # numerator, denominator, samples and micro-batches of the pending group
 _TOTALS = 4
 
@@ -298,7 +278,7 @@ class JAXUpdateEngine:
             ops.zeros((_TOTALS,), self.dtype), trainable=False, name="safe_dist_totals"
         )
         self.stats = keras.Variable(
-            ops.zeros((len(_STATS),), "float32"), trainable=False, name="safe_dist_stats"
+            ops.zeros((len(_stats.FIELDS),), "float32"), trainable=False, name="safe_dist_stats"
         )
         self.variables = [*self.sums, self.totals, self.stats]
         self._flush_function = jax.jit(self._flush_values)
@@ -315,11 +295,11 @@ class JAXUpdateEngine:
     # Host side.
 
     def begin_fit(self):
-        self.stats.assign(ops.zeros((len(_STATS),), "float32"))
+        self.stats.assign(ops.zeros((len(_stats.FIELDS),), "float32"))
 
     def begin_epoch(self, steps):
         self.epoch_open = True
-        kept = ops.convert_to_tensor(_KEPT_ACROSS_EPOCHS, "float32")
+        kept = ops.convert_to_tensor(_stats.KEPT_ACROSS_EPOCHS, "float32")
         self.stats.assign(self.stats.value * kept)
 
     def end_epoch(self):
@@ -351,30 +331,15 @@ class JAXUpdateEngine:
     def logs(self, values=None):
         """The values this engine adds to the logs (from `values`, or the variables)."""
         stats = values[-1] if values is not None else self.stats.value
-        stat = dict(zip(_STATS, (stats[i] for i in range(len(_STATS)))))
-        updates = stat["updates_in_epoch"]
-        logs = {
-            "grad_norm": stat["grad_norm"],
-            "clip_rate": _divide_no_nan(stat["clipped_in_epoch"], updates),
-            "skipped_updates": stat["skipped_updates"],
-            "samples_per_update": stat["samples_per_update"],
-        }
-        for name, key in (("grad_norm", "grad_norm"), ("samples_per_update", "samples")):
-            logs[f"{name}_min"] = stat[f"{key}_min"]
-            logs[f"{name}_mean"] = _divide_no_nan(stat[f"{key}_sum"], updates)
-            logs[f"{name}_max"] = stat[f"{key}_max"]
-        return {name: logs[name] for name in self.LOG_NAMES}
+        return _stats.logs(stats)
 
     def updates_in_epoch(self):
         """The updates applied in this epoch so far (one host read)."""
-        return int(self.stats.value[_STATS.index("updates_in_epoch")])
+        return int(self.stats.value[_stats.index("updates_in_epoch")])
 
     def first_skip(self):
         """`(update index, samples)` of the epoch's first skipped update, or None."""
-        stats = dict(zip(_STATS, (float(v) for v in self.stats.value)))
-        if stats["skipped_in_epoch"] == 0:
-            return None
-        return int(stats["first_skip"]) - 1, int(stats["first_skip_samples"])
+        return _stats.first_skip([float(v) for v in self.stats.value])
 
     # Traced inside the step.
 
@@ -518,7 +483,7 @@ class JAXUpdateEngine:
         else:
             trainable, optimizer_values = apply((trainable, optimizer_values))
             applied = jnp.ones((), "float32")
-        stats = _updated_stats(stats, applied, norm, clipped, samples)
+        stats = _stats.after_update(stats, applied, norm, clipped, samples)
         return list(trainable), list(optimizer_values), stats
 
     def _add_weight_regularization(self, grads, trainable):
@@ -581,63 +546,6 @@ class _Recorded:
         batch = next(self.iterator)
         self.batches.append(batch)
         return batch
-
-
-def _updated_stats(stats, applied, norm, clipped, samples):
-    """The statistics after one update; the same rules as TensorFlow's `UpdateEngine`.
-
-    Written as a few operations on the whole vector, selected by constant
-    masks: one expression per statistic made XLA (CPU) compute each in a
-    kernel of its own, a dozen launches per step.
-    """
-    norm = norm.astype("float32")
-    samples = samples.astype("float32")
-    clipped = clipped.astype("float32")
-    skipped = 1.0 - applied
-    updates, skipped_in_epoch = stats[_INDEX["updates_in_epoch"]], stats[_INDEX["skipped_in_epoch"]]
-    first_skip = skipped * (skipped_in_epoch == 0).astype("float32")
-    # The latest norm or sample count where a statistic takes one; where, not
-    # a product, so that a non-finite norm stays in its own entries.
-    value = jnp.where(_MASKS["of_norm"], norm, samples)
-    first = updates == 0  # the epoch's first applied update starts its min and max
-    spread = jnp.where(
-        _MASKS["min"],
-        jnp.where(first, value, jnp.minimum(stats, value)),
-        jnp.where(_MASKS["max"], jnp.where(first, value, jnp.maximum(stats, value)), stats + value),
-    )
-    counts = (
-        stats
-        + _MASKS["updates_in_epoch"] * applied
-        + _MASKS["clipped_in_epoch"] * (applied * clipped)
-        + _MASKS["skipped"] * skipped
-        + _MASKS["first_skip"] * (first_skip * (updates + skipped_in_epoch + 1.0))
-        + _MASKS["first_skip_samples"] * (first_skip * samples)
-    )
-    spread = jnp.where(applied == 0, stats, spread)  # a skipped update leaves the spread
-    return jnp.where(
-        _MASKS["latest"], value, jnp.where(_MASKS["spread"], spread, counts)
-    )
-
-
-_INDEX = {name: index for index, name in enumerate(_STATS)}
-
-
-def _mask(*names):
-    return np.array([name in names for name in _STATS])
-
-
-_MASKS = {
-    "of_norm": _mask("grad_norm", "grad_norm_min", "grad_norm_sum", "grad_norm_max"),
-    "latest": _mask("grad_norm", "samples_per_update"),
-    "spread": _mask(*(f"{n}_{p}" for n in ("grad_norm", "samples") for p in ("min", "sum", "max"))),
-    "min": _mask("grad_norm_min", "samples_min"),
-    "max": _mask("grad_norm_max", "samples_max"),
-    "updates_in_epoch": _mask("updates_in_epoch").astype("float32"),
-    "clipped_in_epoch": _mask("clipped_in_epoch").astype("float32"),
-    "skipped": _mask("skipped_updates", "skipped_in_epoch").astype("float32"),
-    "first_skip": _mask("first_skip").astype("float32"),
-    "first_skip_samples": _mask("first_skip_samples").astype("float32"),
-}
 
 
 def _current_values(scope, variables, values):
