@@ -86,9 +86,13 @@ def test_dashboard_writes_the_history_values_to_tensorboard(tmp_path, devices):
     model = mlp(steps=2)
     history = fit(model, x, y, [callbacks.Dashboard(str(tmp_path))], epochs=3)
     written = scalars(str(tmp_path / "safe_distributed"), "safe_distributed/")
-    assert sorted(written) == sorted(LOG_NAMES)
+    per_epoch = {k: v for k, v in written.items() if not k.startswith("update/")}
+    assert sorted(per_epoch) == sorted(LOG_NAMES)
     for name in LOG_NAMES:
         np.testing.assert_allclose(written[name], history.history[name], rtol=1e-6)
+    # One point per update (update_freq=1): 3 updates per epoch.
+    assert written["update/samples_per_update"] == [16.0, 16.0, 12.0] * 3
+    assert written["update/skipped_updates"] == [0.0] * 9
     # 6 micro-batches, groups of 2: 3 updates of 16, 16 and 12 samples per epoch.
     assert history.history["samples_per_update_min"] == [12.0] * 3
     assert history.history["samples_per_update_mean"] == pytest.approx([44 / 3] * 3)
