@@ -559,9 +559,14 @@ def _current_values(scope, variables, values):
 
 def _global_norm(tensors):
     """The global norm in float32 or wider, so a float16 gradient's norm cannot overflow."""
+    # A matrix's squares are summed as a dot of its transpose with itself: a
+    # Dense kernel's gradient comes out of its matmul transposed in memory,
+    # and XLA (CPU) copied it into place before a sum of squares (a copy per
+    # kernel, then the sum split in several kernels). MLP 64-256-256-10 step
+    # on 2 CPU devices: 4.46 MB accessed with sum(square), 3.81 MB with this.
+    wide = [t.astype(jnp.promote_types(t.dtype, jnp.float32)) for t in tensors]
     squares = [
-        jnp.sum(jnp.square(t.astype(jnp.promote_types(t.dtype, jnp.float32))))
-        for t in tensors
+        jnp.vdot(t.T, t.T) if t.ndim == 2 else jnp.sum(jnp.square(t)) for t in wide
     ]
     return jnp.sqrt(sum(squares)) if squares else jnp.zeros((), "float32")
 
