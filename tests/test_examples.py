@@ -1,10 +1,13 @@
 """The examples run offline, finish quickly and print what they promise."""
 
+import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
 import tempfile
+
+import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -114,6 +117,9 @@ def test_hunt_nan_names_batch_replica_and_layer_and_restores(tmp_path):
     assert (tmp_path / "logs" / "hunt_nan" / "nan_onset.json").is_file()
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("jax") is None, reason="needs the [jax] extra"
+)
 def test_jax_data_parallel_trains_audits_and_reports_on_jax(tmp_path):
     # Its own process: it sets KERAS_BACKEND=jax and two CPU devices itself.
     lines = run_example("jax_data_parallel.py", tmp_path).splitlines()
