@@ -7,10 +7,14 @@ distribution (one device, the reference).
 """
 
 import contextlib
-import warnings
 
 import keras
 import numpy as np
+
+# The same data, optimizer and quieting as the TensorFlow probes.
+from keras_safe_dist.doctor.probes._tiny import data
+from keras_safe_dist.doctor.probes._tiny import quiet
+from keras_safe_dist.doctor.probes._tiny import sgd
 
 __all__ = [
     "SEED",
@@ -25,15 +29,6 @@ __all__ = [
 ]
 
 SEED = 7
-LEARNING_RATE = 0.1
-
-
-def data(samples, seed=0):
-    """`samples` rows of 4 features and a linear target far from the initial fit."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(samples, 4)).astype("float32")
-    y = (x @ rng.normal(size=(4, 1)) * 10.0 + 3.0).astype("float32")
-    return x, y
 
 
 def devices(distribution):
@@ -72,11 +67,6 @@ def mlp(cls, distribution, optimizer=None, weights=None, **options):
     return model
 
 
-def sgd(**options):
-    """Plain SGD with the probes' learning rate and `options`."""
-    return keras.optimizers.SGD(LEARNING_RATE, **options)
-
-
 def update(model, distribution, x, y, batch_size):
     """Fits one epoch under `distribution`; returns the change of the weights."""
     before = model.get_weights()
@@ -92,10 +82,3 @@ def relative_deviation(expected, actual):
     expected, actual = np.asarray(expected), np.asarray(actual)
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-12))
 
-
-@contextlib.contextmanager
-def quiet():
-    """Silences Keras's Python warnings (e.g. a model without trainable weights)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
