@@ -14,7 +14,6 @@ array, so the report names sample rows, never a replica.
 Only the chief process's view is used; every process reads the same logs.
 """
 
-import contextlib
 from typing import NamedTuple
 from typing import Optional
 
@@ -24,6 +23,7 @@ import keras
 import numpy as np
 
 from keras_safe_dist import _compat
+from keras_safe_dist.nan.replay import wrapped_calls
 
 __all__ = ["Found", "JAXSnapshots", "locate", "nonfinite_weights"]
 
@@ -105,7 +105,7 @@ def _replay(model, x, y, sample_weight):
     non_trainable = [v.value for v in model.non_trainable_variables]
     records = []
     kwargs = {"training": True} if _compat.call_has_training_arg(model) else {}
-    with _wrapped_calls(model, records):
+    with wrapped_calls(model, records, _recording):
         model.stateless_call(trainable, non_trainable, x, **kwargs)
     for name, inputs_ok, output_rows in records:
         if inputs_ok and output_rows is not None:
@@ -150,18 +150,6 @@ def _rows_with_nonfinite_loss(model, x, y, sample_weight):
         if not bool(jnp.isfinite(loss)):
             rows.append(row)
     return rows
-
-
-@contextlib.contextmanager
-def _wrapped_calls(model, records):
-    layers = _compat.flatten_layers(model)
-    for layer in layers:
-        object.__setattr__(layer, "call", _recording(layer, layer.call, records))
-    try:
-        yield
-    finally:
-        for layer in layers:
-            object.__delattr__(layer, "call")
 
 
 def _recording(layer, call, records):

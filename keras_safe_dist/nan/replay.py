@@ -67,7 +67,7 @@ def replay(model, x, y, sample_weight):
 
     saved = [(v, np.array(v.numpy())) for v in _state_variables(model)]
     try:
-        with strategy.scope(), _wrapped_calls(model, records), _quiet_tensorflow():
+        with strategy.scope(), wrapped_calls(model, records), _quiet_tensorflow():
             loss, grads = strategy.run(forward_backward, args=(x, y, sample_weight))
         loss = strategy.experimental_local_results(loss)[0]
         grads = [None if g is None else strategy.experimental_local_results(g)[0] for g in grads]
@@ -89,10 +89,16 @@ def replay(model, x, y, sample_weight):
 
 
 @contextlib.contextmanager
-def _wrapped_calls(model, records):
+def wrapped_calls(model, records, recording=None):
+    """While open, each layer's `call` goes through `recording(layer, call, records)`.
+
+    `recording` defaults to this module's TensorFlow recorder; JAX's replay
+    (`jax_locate.py`) passes its own.
+    """
+    recording = recording or _recording
     layers = _compat.flatten_layers(model)
     for layer in layers:
-        object.__setattr__(layer, "call", _recording(layer, layer.call, records))
+        object.__setattr__(layer, "call", recording(layer, layer.call, records))
     try:
         yield
     finally:
