@@ -5,6 +5,7 @@ import contextlib
 import gc
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -29,29 +30,49 @@ def no_collection():
         gc.enable()
 
 
-def epoch_seconds(model, x, y, batch):
-    """Seconds of one `fit()` epoch, unshuffled, without garbage collection."""
+def epoch_seconds(model, x, y, batch, wait=None):
+    """Seconds of one `fit()` epoch, unshuffled, without garbage collection.
+
+    Args:
+        wait: called with the model after `fit()` returns, inside the timed
+            region, to wait for work that `fit()` leaves running (JAX
+            dispatches asynchronously).
+    """
     with no_collection():
         start = time.perf_counter()
         model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        if wait is not None:
+            wait(model)
         return time.perf_counter() - start
 
 
-def interleave(configs, baseline, x, y, batch, rounds):
+def median_interval(values, resamples=2000, seed=0):
+    """A 95% bootstrap interval of the median of `values`: `(low, high)`."""
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def interleave(configs, baseline, x, y, batch, rounds, wait=None):
     """Times `configs` (name: model) epoch by epoch in rotating order.
 
+    `wait` is passed to `epoch_seconds`.
+
     Returns:
-        name: median epoch seconds, median ratio to `baseline`, and the fixed
-        cost per step against it in microseconds.
+        name: median epoch seconds, median ratio to `baseline` with its 95%
+        bootstrap interval, the fixed cost per step against it in
+        microseconds, and each round's seconds.
     """
     for model in configs.values():
-        epoch_seconds(model, x, y, batch)  # warm-up: tracing and building
+        epoch_seconds(model, x, y, batch, wait)  # warm-up: tracing and building
     names = list(configs)
     times = {name: [] for name in names}
     for round_ in range(rounds):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(epoch_seconds(configs[name], x, y, batch))
+            times[name].append(epoch_seconds(configs[name], x, y, batch, wait))
     steps = -(-len(x) // batch)
     base = statistics.median(times[baseline])
     return {
@@ -60,8 +81,12 @@ def interleave(configs, baseline, x, y, batch, rounds):
             "median_ratio": statistics.median(
                 t / b for t, b in zip(times[name], times[baseline])
             ),
+            "ratio_interval": median_interval(
+                [t / b for t, b in zip(times[name], times[baseline])]
+            ),
             "per_step_us": 1e6 * (statistics.median(times[name]) - base) / steps,
             "steps": steps,
+            "epoch_s": times[name],
         }
         for name in names
     }

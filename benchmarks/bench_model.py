@@ -413,19 +413,26 @@ def _print_jax(report, rounds):
         f"({rounds} rounds; SGD; load average at the end {load})"
     )
     print(
-        f"{'configuration':<56}{'epoch ms':>10}{'ratio':>8}{'per step':>12}"
-        f"{'step':>10}{'step cost':>12}"
+        f"{'configuration':<34}{'epoch ms':>9}{'ratio (95% CI)':>22}{'per step':>11}"
+        f"{'step':>10}{'step cost':>11}"
     )
+
+    def ratio(value, interval):
+        return f"{value:.3f} ({interval[0]:.3f}-{interval[1]:.3f})"
+
     for model_name, rows in report["results"].items():
+        print(model_name)
         for name, row in rows.items():
             print(
-                f"{model_name + ', ' + name:<56}{row['median_epoch_s'] * 1e3:>10.1f}"
-                f"{row['median_ratio']:>8.3f}{row['per_step_us']:>+9.0f} us"
-                f"{row['step_us']:>7.0f} us{row['step_cost_us']:>+9.0f} us"
+                f"  {name:<32}{row['median_epoch_s'] * 1e3:>9.1f}"
+                f"{ratio(row['median_ratio'], row['ratio_interval']):>22}"
+                f"{row['per_step_us']:>+8.0f} us"
+                f"{row['step_us']:>7.0f} us{row['step_cost_us']:>+8.0f} us"
             )
     print(
-        "(ratio: median over rounds of epoch time / stock's, same round; per step: from the"
-        " median epochs, against stock; step: train_function alone, median us per step)"
+        "(ratio: median over rounds of epoch time / stock's, same round, with a 95% bootstrap"
+        " interval; per step: from the median epochs, against stock; step: train_function"
+        " alone, median us per step)"
     )
 
 

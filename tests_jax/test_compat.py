@@ -37,8 +37,8 @@ def test_the_context_places_an_indivisible_batch_whole_and_restores_keras():
     batch = np.arange(6, dtype="float32").reshape(3, 2)
     layout = distribution.get_data_layout(batch.shape).backend_layout
 
-    with _compat.uneven_batches_replicated():
-        with _compat.uneven_batches_replicated():  # re-entrant
+    with _compat.batch_placement():
+        with _compat.batch_placement():  # re-entrant
             placed = module.distribute_data_input(batch, layout, "batch")
         even = module.distribute_data_input(batch[:2], layout, "batch")
 
@@ -48,6 +48,55 @@ def test_the_context_places_an_indivisible_batch_whole_and_restores_keras():
     assert not even.sharding.is_fully_replicated
     with pytest.raises(Exception, match="divisible|partitioned"):
         original(batch, layout, "batch")
+
+
+def _spied_placement(monkeypatch):
+    module = _compat.jax_data_placement()
+    calls = []
+    keras_function = module.distribute_data_input
+
+    def spy(per_process_batch, layout, batch_dim_name):
+        calls.append(per_process_batch)
+        return keras_function(per_process_batch, layout, batch_dim_name)
+
+    monkeypatch.setattr(module, "distribute_data_input", spy)
+    return module, calls
+
+
+def test_a_divisible_batch_is_left_to_keras(monkeypatch):
+    module, calls = _spied_placement(monkeypatch)
+    distribution = keras.distribution.DataParallel(devices=jax.devices())
+    numpy_batch = np.ones((4, 2), "float32")
+    jax_batch = jax.numpy.ones((4, 2))
+    odd = np.ones((3, 2), "float32")
+
+    with _compat.batch_placement():
+        for batch in (numpy_batch, jax_batch):
+            placed = module.distribute_data_input(
+                batch, distribution.get_data_layout(batch.shape), "batch"
+            )
+            assert not placed.sharding.is_fully_replicated
+        placed = module.distribute_data_input(odd, distribution.get_data_layout(odd.shape), "batch")
+
+    assert calls[0] is numpy_batch and calls[1] is jax_batch and len(calls) == 2
+    assert placed.sharding.is_fully_replicated
+
+
+def test_with_several_processes_keras_places_the_batch_and_an_indivisible_one_raises(
+    monkeypatch,
+):
+    module, calls = _spied_placement(monkeypatch)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    distribution = keras.distribution.DataParallel(devices=jax.devices())
+    even = np.ones((4, 2), "float32")
+    odd = np.ones((3, 2), "float32")
+
+    with _compat.batch_placement():
+        module.distribute_data_input(even, distribution.get_data_layout(even.shape), "batch")
+        with pytest.raises(ValueError, match="A batch of 3 samples .* 2 processes .* divisible by 2"):
+            module.distribute_data_input(odd, distribution.get_data_layout(odd.shape), "batch")
+
+    assert calls == [even]
 
 
 def test_losses_override_is_what_model_losses_reads():
