@@ -67,10 +67,8 @@ def _model(name, model_class, **options):
 def _wait(model):
     """Waits for the epoch's last steps, which `fit()` leaves running.
 
-    Counted in the epoch; and without it the next configuration's steps
-    start while these run: on this 2-core VM, two programs' all-reduces
-    interleaved that way have left XLA's CPU rendezvous waiting until its
-    40 s timeout aborted the process.
+    They are counted in the epoch they belong to, not in the next
+    configuration's.
     """
     jax.block_until_ready([variable.value for variable in model.variables])
 

@@ -512,15 +512,15 @@ def jax_data_placement():
 
 
 @contextlib.contextmanager
-def batch_placement():
+def uneven_batches_replicated():
     """While open, Keras's JAX trainer places a batch the data axis does not divide replicated.
 
     Keras shards each global batch along the distribution's batch axis, which
     fails (`IndivisibleError`) when the device count does not divide the
     batch. Such a batch is placed whole on every device instead: each device
     computes the same step on every sample, the one-device result, without
-    the data-parallel speed-up. Keras places every other batch. Re-entrant;
-    restores Keras's function on exit.
+    the data-parallel speed-up. Divisible batches are placed as Keras places
+    them. Re-entrant; restores Keras's function on exit.
     """
     module = jax_data_placement()
     original = module.distribute_data_input
@@ -529,10 +529,10 @@ def batch_placement():
         return
 
     def distribute_data_input(per_process_batch, layout, batch_dim_name):
-        placed = _place_batch(per_process_batch, layout)
-        if placed is None:
+        replicated = _replicated_if_indivisible(per_process_batch, layout)
+        if replicated is None:
             return original(per_process_batch, layout, batch_dim_name)
-        return placed
+        return replicated
 
     distribute_data_input._keras_safe_dist = True
     module.distribute_data_input = distribute_data_input
@@ -542,17 +542,14 @@ def batch_placement():
         module.distribute_data_input = original
 
 
-def _place_batch(batch, layout):
-    """`batch` placed whole on every device if the data axis does not divide it, else None."""
+def _replicated_if_indivisible(batch, layout):
     import jax
     from keras.src.distribution import TensorLayout
 
     if isinstance(layout, TensorLayout):
         layout = layout.backend_layout
-    if not isinstance(layout, jax.sharding.NamedSharding) or not getattr(batch, "shape", ()):
-        return None
-    spec = layout.spec
-    if len(spec) == 0 or spec[0] is None:
+    spec = getattr(layout, "spec", None)
+    if spec is None or len(spec) == 0 or spec[0] is None or not batch.shape:
         return None
     axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
     parts = 1
@@ -560,13 +557,6 @@ def _place_batch(batch, layout):
         parts *= layout.mesh.shape[axis]
     if batch.shape[0] % parts == 0:
         return None
-    return jax.device_put(batch, _replicated(batch, layout, parts))
-
-
-def _replicated(batch, layout, parts):
-    """The sharding that places an indivisible batch whole on every device."""
-    import jax
-
     if jax.process_count() > 1:
         raise ValueError(
             f"A batch of {batch.shape[0]} samples on this process does not split "
@@ -575,4 +565,6 @@ def _replicated(batch, layout, parts):
             "device (each process holds different samples). Use a batch size "
             f"divisible by {parts}, and drop or pad the remainder of the data."
         )
-    return jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(
+        batch, jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+    )

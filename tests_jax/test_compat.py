@@ -37,8 +37,8 @@ def test_the_context_places_an_indivisible_batch_whole_and_restores_keras():
     batch = np.arange(6, dtype="float32").reshape(3, 2)
     layout = distribution.get_data_layout(batch.shape).backend_layout
 
-    with _compat.batch_placement():
-        with _compat.batch_placement():  # re-entrant
+    with _compat.uneven_batches_replicated():
+        with _compat.uneven_batches_replicated():  # re-entrant
             placed = module.distribute_data_input(batch, layout, "batch")
         even = module.distribute_data_input(batch[:2], layout, "batch")
 
@@ -70,7 +70,7 @@ def test_a_divisible_batch_is_left_to_keras(monkeypatch):
     jax_batch = jax.numpy.ones((4, 2))
     odd = np.ones((3, 2), "float32")
 
-    with _compat.batch_placement():
+    with _compat.uneven_batches_replicated():
         for batch in (numpy_batch, jax_batch):
             placed = module.distribute_data_input(
                 batch, distribution.get_data_layout(batch.shape), "batch"
@@ -91,7 +91,7 @@ def test_with_several_processes_keras_places_the_batch_and_an_indivisible_one_ra
     even = np.ones((4, 2), "float32")
     odd = np.ones((3, 2), "float32")
 
-    with _compat.batch_placement():
+    with _compat.uneven_batches_replicated():
         module.distribute_data_input(even, distribution.get_data_layout(even.shape), "batch")
         with pytest.raises(ValueError, match="A batch of 3 samples .* 2 processes .* divisible by 2"):
             module.distribute_data_input(odd, distribution.get_data_layout(odd.shape), "batch")

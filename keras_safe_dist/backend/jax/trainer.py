@@ -7,7 +7,7 @@ module adds to Keras's JAX trainer is what it lacks there: exact
 sample-weighted accumulation over micro-batches, clipping after it,
 skipping non-finite updates, the update statistics, and batches that the
 device count does not divide (placed whole on every device, see
-`_compat.batch_placement`).
+`_compat.uneven_batches_replicated`).
 
 The accumulation state lives in `keras.Variable`s that Keras threads through
 its jitted step with the metrics' variables (`metrics_variables` lists them
@@ -55,7 +55,7 @@ class JAXTrainer(_compat.EpochEndOverride):
         """No strategy scope on JAX: `keras.distribution` lays out variables wherever created."""
 
     def _check_fit_data(self, x, batch_size):
-        """Every batch size works on JAX (see `_compat.batch_placement`)."""
+        """Every batch size works on JAX (see `_compat.uneven_batches_replicated`)."""
 
     @property
     def metrics_variables(self):
@@ -78,27 +78,27 @@ class JAXTrainer(_compat.EpochEndOverride):
     # not divide are placed whole on each device.
 
     def fit(self, *args, **kwargs):
-        with _compat.batch_placement():
+        with _compat.uneven_batches_replicated():
             return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        with _compat.batch_placement():
+        with _compat.uneven_batches_replicated():
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
-        with _compat.batch_placement():
+        with _compat.uneven_batches_replicated():
             return super().predict(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
-        with _compat.batch_placement():
+        with _compat.uneven_batches_replicated():
             return super().train_on_batch(*args, **kwargs)
 
     def test_on_batch(self, *args, **kwargs):
-        with _compat.batch_placement():
+        with _compat.uneven_batches_replicated():
             return super().test_on_batch(*args, **kwargs)
 
     def predict_on_batch(self, *args, **kwargs):
-        with _compat.batch_placement():
+        with _compat.uneven_batches_replicated():
             return super().predict_on_batch(*args, **kwargs)
 
     def make_train_function(self, force=False):
