@@ -222,6 +222,99 @@ def test_without_skipping_a_nonfinite_update_is_applied(devices):
     assert np.isnan(model.get_weights()[0]).any()
 
 
+def _wide_mlp(model_class, **options):
+    # The first kernel (64 x 80) has more elements than the norm's grouped
+    # reduction takes; the other variables are summed in that one.
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(80, activation="relu")(inputs)
+    outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(hidden))
+    if model_class is keras.Model:
+        return keras.Model(inputs, outputs)
+    return SafeDistributedModel(inputs, outputs, **options)
+
+
+def _stock_gradient(x, y):
+    """The one-device gradient of stock Keras's MSE on `x`, read from an SGD(1) step."""
+
+    def build():
+        reference = _wide_mlp(keras.Model)
+        reference.compile(keras.optimizers.SGD(1.0), "mse")
+        before = [w.copy() for w in reference.get_weights()]
+        reference.train_on_batch(x, y)
+        return [b - a for b, a in zip(before, reference.get_weights())]
+
+    return _one_device(build)
+
+
+def test_logged_grad_norm_is_the_one_device_gradient_norm(devices):
+    x, y, _ = regression_data(10, features=64)
+    gradient = _stock_gradient(x, y)
+    expected = float(np.sqrt(sum(np.sum(np.square(g.astype("float64"))) for g in gradient)))
+    model = _wide_mlp(SafeDistributedModel, log_update_stats=True)
+    model.compile(keras.optimizers.SGD(1.0), "mse")
+    history = model.fit(x, y, batch_size=10, verbose=0)
+    assert history.history["grad_norm"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_global_clipnorm_matches_one_device_clipping(devices):
+    x, y, _ = regression_data(10, features=64)
+    gradient = _stock_gradient(x, y)
+    norm = float(np.sqrt(sum(np.sum(np.square(g.astype("float64"))) for g in gradient)))
+    limit = norm / 4
+    model = _wide_mlp(SafeDistributedModel, global_clipnorm=limit)
+    before = model.get_weights()
+    model.compile(keras.optimizers.SGD(1.0), "mse")
+    model.fit(x, y, batch_size=10, verbose=0)
+    for b, a, g in zip(before, model.get_weights(), gradient):
+        np.testing.assert_allclose(b - a, g * (limit / norm), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2], ids=["k1", "k2"])
+def test_without_skip_or_statistics_the_step_matches_one_device(devices, accumulation):
+    # Nothing reads the gradient norm here, so the step computes none.
+    x, y, _ = regression_data(24, features=64)
+
+    def stock():
+        reference = _wide_mlp(keras.Model)
+        reference.compile(keras.optimizers.SGD(0.05), "mse")
+        reference.fit(x, y, batch_size=24, verbose=0)
+        return reference
+
+    reference = _one_device(stock)
+    model = _wide_mlp(
+        SafeDistributedModel, skip_nonfinite=False, gradient_accumulation_steps=accumulation
+    )
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    # With k=2, two micro-batches of 12 make one update of the 24 samples.
+    batch = 24 if accumulation == 1 else 12
+    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    assert model._update_engine._reads_norm() is False
+    assert _relative_error(model, reference) < 1e-5
+
+
+class _StatsRequest(keras.callbacks.Callback):
+    requests_update_stats = True
+
+
+def test_partial_group_statistics_follow_a_request_between_fits(devices):
+    # The epoch-end flush is compiled apart from the step: when a callback
+    # asks for the statistics in a later fit(), the flush reads the norm too.
+    x, y, _ = regression_data(24, features=64)
+    model = _wide_mlp(SafeDistributedModel, skip_nonfinite=False, gradient_accumulation_steps=2)
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert "grad_norm" not in history.history
+    before = [w.copy() for w in model.get_weights()]
+    history = model.fit(
+        x[16:], y[16:], batch_size=8, shuffle=False, verbose=0, callbacks=[_StatsRequest()]
+    )
+    # One micro-batch of 8: the partial group, applied at the epoch's end with SGD(0.05).
+    step = [b - a for b, a in zip(before, model.get_weights())]
+    expected = float(np.sqrt(sum(np.sum(np.square(s.astype("float64") / 0.05)) for s in step)))
+    assert history.history["grad_norm"][0] == pytest.approx(expected, rel=1e-4)
+
+
 def test_update_statistics_and_steps_per_execution(devices):
     x, y, _ = regression_data(40)
     results = []

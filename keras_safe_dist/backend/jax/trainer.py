@@ -281,7 +281,7 @@ class JAXUpdateEngine:
             ops.zeros((len(_stats.FIELDS),), "float32"), trainable=False, name="safe_dist_stats"
         )
         self.variables = [*self.sums, self.totals, self.stats]
-        self._flush_function = jax.jit(self._flush_values)
+        self._flush_function = jax.jit(self._flush_values, static_argnums=3)
 
     def stale(self):
         """Whether the model's options or optimizer changed since this engine was built."""
@@ -317,8 +317,10 @@ class JAXUpdateEngine:
         trainable = [v.value for v in model.trainable_variables]
         optimizer_values = [v.value for v in model.optimizer.variables]
         values = [v.value for v in self.variables]
+        # The step's shape depends on whether the norm is read; the flag
+        # keys the compiled flush so that a change retraces it.
         trainable, optimizer_values, values = self._flush_function(
-            trainable, optimizer_values, values
+            trainable, optimizer_values, values, self._reads_norm()
         )
         for variable, value in zip(model.trainable_variables, trainable):
             variable.assign(value)
@@ -426,7 +428,10 @@ class JAXUpdateEngine:
         )
         return trainable, optimizer_values, [*sums, totals, stats]
 
-    def _flush_values(self, trainable, optimizer_values, values):
+    def _flush_values(self, trainable, optimizer_values, values, reads_norm):
+        # `reads_norm` (static) is not used here: it keys jax.jit's cache, so
+        # that the flush is traced again when `_reads_norm()` changes.
+        del reads_norm
         sums, totals, stats = values[: len(self.sums)], values[-2], values[-1]
         trainable, optimizer_values, stats = self._update_from_sums(
             sums, totals, trainable, optimizer_values, stats
@@ -446,8 +451,14 @@ class JAXUpdateEngine:
         """Adds the weight penalty's gradient, clips, then applies or skips; updates the stats."""
         model = self.model
         grads = self._add_weight_regularization(grads, trainable)
-        norm = _global_norm(grads)
-        finite = jnp.isfinite(norm) & jnp.isfinite(loss)
+        if self._reads_norm():
+            norm = _global_norm(grads)
+            finite = jnp.isfinite(norm) & jnp.isfinite(loss)
+        else:
+            # Nothing reads the norm (no skip, clipping, loss scale or
+            # statistics): the update waits for no reduction over the gradients.
+            norm = jnp.zeros((), "float32")
+            finite = jnp.ones((), bool)
         grads, clipped = self._clip(grads, norm)
 
         def apply(operands):
@@ -485,6 +496,16 @@ class JAXUpdateEngine:
             applied = jnp.ones((), "float32")
         stats = _stats.after_update(stats, applied, norm, clipped, samples)
         return list(trainable), list(optimizer_values), stats
+
+    def _reads_norm(self):
+        """Whether the step needs the global gradient norm (read when traced)."""
+        model = self.model
+        return bool(
+            model.skip_nonfinite
+            or self.loss_scale is not None
+            or model._stats_logged
+            or model.global_clipnorm is not None
+        )
 
     def _add_weight_regularization(self, grads, trainable):
         model = self.model
