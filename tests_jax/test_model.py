@@ -223,8 +223,7 @@ def test_without_skipping_a_nonfinite_update_is_applied(devices):
 
 
 def _wide_mlp(model_class, **options):
-    # The first kernel (64 x 80) has more elements than the norm's grouped
-    # reduction takes; the other variables are summed in that one.
+    # One large kernel (64 x 80) beside small kernels and biases.
     keras.utils.set_random_seed(3)
     inputs = keras.Input((64,))
     hidden = keras.layers.Dense(80, activation="relu")(inputs)
@@ -247,10 +246,15 @@ def _stock_gradient(x, y):
     return _one_device(build)
 
 
+def _norm(arrays):
+    """The global norm of `arrays`, in float64."""
+    return float(np.sqrt(sum(np.sum(np.square(a.astype("float64"))) for a in arrays)))
+
+
 def test_logged_grad_norm_is_the_one_device_gradient_norm(devices):
     x, y, _ = regression_data(10, features=64)
     gradient = _stock_gradient(x, y)
-    expected = float(np.sqrt(sum(np.sum(np.square(g.astype("float64"))) for g in gradient)))
+    expected = _norm(gradient)
     model = _wide_mlp(SafeDistributedModel, log_update_stats=True)
     model.compile(keras.optimizers.SGD(1.0), "mse")
     history = model.fit(x, y, batch_size=10, verbose=0)
@@ -260,7 +264,7 @@ def test_logged_grad_norm_is_the_one_device_gradient_norm(devices):
 def test_global_clipnorm_matches_one_device_clipping(devices):
     x, y, _ = regression_data(10, features=64)
     gradient = _stock_gradient(x, y)
-    norm = float(np.sqrt(sum(np.sum(np.square(g.astype("float64"))) for g in gradient)))
+    norm = _norm(gradient)
     limit = norm / 4
     model = _wide_mlp(SafeDistributedModel, global_clipnorm=limit)
     before = model.get_weights()
@@ -311,7 +315,7 @@ def test_partial_group_statistics_follow_a_request_between_fits(devices):
     )
     # One micro-batch of 8: the partial group, applied at the epoch's end with SGD(0.05).
     step = [b - a for b, a in zip(before, model.get_weights())]
-    expected = float(np.sqrt(sum(np.sum(np.square(s.astype("float64") / 0.05)) for s in step)))
+    expected = _norm(s / 0.05 for s in step)
     assert history.history["grad_norm"][0] == pytest.approx(expected, rel=1e-4)
 
 
