@@ -20,10 +20,6 @@ import os
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
-from _quiet import import_tensorflow  # noqa: E402
-
-import_tensorflow()  # keras_safe_dist loads TensorFlow: without its start-up lines
-
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

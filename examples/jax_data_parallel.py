@@ -25,10 +25,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 ).strip()
 
-from _quiet import import_tensorflow  # noqa: E402
-
-import_tensorflow()  # the callbacks write TensorBoard files with it; quietly
-
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -8,11 +8,11 @@ and the denominator apart: it accumulates both over micro-batches and
 replicas, and divides once per optimizer update.
 """
 
+from typing import Any
 from typing import NamedTuple
 from typing import Optional
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from keras_safe_dist import _compat
@@ -39,11 +39,11 @@ class MicroBatchLoss(NamedTuple):
             layer's activity penalty summed over its batch, not divided by it.
     """
 
-    numerator: tf.Tensor
-    denominator: Optional[tf.Tensor]
-    samples: tf.Tensor
+    numerator: Any
+    denominator: Optional[Any]
+    samples: Any
     per_sample: bool = True
-    undivided: Optional[tf.Tensor] = None
+    undivided: Optional[Any] = None
 
 
 def totals_dtype(model):
@@ -60,8 +60,8 @@ def totals_dtype(model):
 
 
 class _Term(NamedTuple):
-    numerator: tf.Tensor
-    denominator: Optional[tf.Tensor]
+    numerator: Any
+    denominator: Optional[Any]
     weight: float
     name: str
     reduction: str
@@ -336,3 +336,22 @@ def _prod(dims):
     for d in dims:
         result *= int(d)
     return result
+
+
+def summed_activity_penalties_error(model, option, value):
+    """The `ValueError` for activity regularizers that keras < 3.14 sums over the batch."""
+    layers = [
+        layer.name
+        for layer in _compat.flatten_layers(model)
+        if getattr(layer, "activity_regularizer", None) is not None
+    ]
+    return ValueError(
+        "SafeDistributedModel cannot train activity regularizers exactly with "
+        f"{option}={value!r} on keras {keras.__version__}: before keras 3.14 "
+        "Keras adds an activity penalty summed over the batch, not divided by "
+        "it, and that sum cannot be split into micro-batches or compiled "
+        "shares whose loss is divided once after the all-reduce. Received: "
+        f"{option}={value!r} and activity regularizers on layers {layers}. "
+        f"Use keras >= 3.14, or {option}="
+        f"{1 if option == 'gradient_accumulation_steps' else False}."
+    )

@@ -5,17 +5,23 @@ import sys
 import warnings
 
 import keras
-import tensorflow as tf
 
 __all__ = ["LIBRARIES", "warn"]
 
 # Frames in these folders are skipped. The standard library's folder holds
-# site-packages, so Keras, TensorFlow and every other installed package
-# (pytest's too) are skipped along with this package, wherever installed.
+# site-packages, so Keras, the backend's library and every other installed
+# package (pytest's too) are skipped along with this package, wherever
+# installed; a virtual environment's site-packages is elsewhere, so Keras's
+# backend library (imported by Keras before this package) is named too.
 LIBRARIES = tuple(
     dict.fromkeys(
         os.path.dirname(path) + os.sep
-        for path in (os.__file__, __file__, keras.__file__, tf.__file__)
+        for path in (
+            os.__file__,
+            __file__,
+            keras.__file__,
+            *(getattr(sys.modules.get(name), "__file__", None) or os.__file__ for name in ("tensorflow", "jax")),
+        )
     )
 )
 

@@ -1,7 +1,8 @@
 """Who is who in a multi-worker cluster."""
 
 import keras
-import tensorflow as tf
+
+from keras_safe_dist._lazy import tensorflow as tf
 
 
 def is_chief(strategy=None):
@@ -25,10 +26,8 @@ def is_chief(strategy=None):
     ```
     """
     if strategy is None and keras.backend.backend() == "jax":
-        import jax  # the JAX backend only
-
         # No tf.distribute cluster on JAX: the chief is process 0.
-        return jax.process_index() == 0
+        return _jax_process()[0] == 0
     task_type, task_id, cluster = _task(strategy)
     if task_type is None:
         return True
@@ -49,7 +48,10 @@ def strategy_of(model):
 
 
 def worker_name(strategy=None):
-    """`"<task type>_<index>"` in a cluster, `"chief"` in one process."""
+    """`"<task type>_<index>"` in a cluster (`"process_<index>"` on JAX), `"chief"` in one process."""
+    if strategy is None and keras.backend.backend() == "jax":
+        index, count = _jax_process()
+        return "chief" if count == 1 else f"process_{index}"
     task_type, task_id, _ = _task(strategy)
     return "chief" if task_type is None else f"{task_type}_{task_id}"
 
@@ -60,3 +62,10 @@ def _task(strategy):
     if resolver is None or not resolver.task_type:
         return None, None, {}
     return resolver.task_type, resolver.task_id, resolver.cluster_spec().as_dict()
+
+
+def _jax_process():
+    """This process's index and the process count under `jax.distributed`."""
+    import jax  # the JAX backend only: Keras imported it already
+
+    return jax.process_index(), jax.process_count()

@@ -1,13 +1,13 @@
-"""`SafeDistributedModel`: exact gradient accumulation and clipping under tf.distribute."""
+"""`SafeDistributedModel`: exact gradient accumulation and clipping, under tf.distribute or keras.distribution."""
 
 import inspect
 import numbers
 import warnings
 
 import keras
-import tensorflow as tf
 
 from keras_safe_dist import _compat
+from keras_safe_dist import _lazy
 from keras_safe_dist import _validate
 from keras_safe_dist import _warnings
 from keras_safe_dist import nan
@@ -685,7 +685,8 @@ def _check_has_samples(method, x):
     Stock Keras runs no step and returns an empty History (or list) then.
     Datasets of unknown length and generators are not read ahead.
     """
-    if isinstance(x, tf.data.Dataset):
+    # A tf.data.Dataset only where TensorFlow was imported (a JAX user has none).
+    if _lazy.loaded("tensorflow") and isinstance(x, _lazy.tensorflow.data.Dataset):
         if int(x.cardinality()) != 0:
             return
         received = "a tf.data.Dataset of cardinality 0 (from .take(0), or a dataset built empty)"

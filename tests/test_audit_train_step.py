@@ -251,14 +251,14 @@ def test_the_loops_in_the_docs_are_the_examples_code():
 
 
 def test_the_layout_check_is_not_run_and_jax_not_needed_on_tensorflow():
-    assert "keras_safe_dist.audits.train_step._jax_layout" not in sys.modules
+    assert "keras_safe_dist.backend.jax.train_step_layout" not in sys.modules
     # In a process where jax cannot be imported, the package and the audit work.
     script = (
         "import sys; sys.modules['jax'] = None\n"
         "import custom_loop_tf\n"
         "report, losses, _ = custom_loop_tf.main(samples=32, batch_size=16, epochs=1)\n"
         "assert report.findings == (), report\n"
-        "assert 'keras_safe_dist.audits.train_step._jax_layout' not in sys.modules\n"
+        "assert 'keras_safe_dist.backend.jax.train_step_layout' not in sys.modules\n"
         "print('ok')\n"
     )
     done = subprocess.run(

@@ -10,6 +10,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import _compat
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 
 from conftest import strategy_for
 
@@ -80,7 +81,7 @@ def test_optimizer_skips_its_all_reduce_when_told():
             optimizer.apply([tf.constant([1.0, 2.0])], [variable])
 
         if reduced:
-            with _compat.gradients_already_reduced(optimizer):
+            with _tf_compat.gradients_already_reduced(optimizer):
                 strategy.extended.call_for_each_replica(apply)
         else:
             strategy.extended.call_for_each_replica(apply)
@@ -138,7 +139,7 @@ def test_clone_model_builds_a_functional_clone_from_the_class_and_options_are_co
 
 def test_strategy_accessors_name_the_strategy_of_models_and_variables():
     strategy = strategy_for(2)
-    default = _compat.default_strategy()
+    default = _tf_compat.default_strategy()
     assert default is tf.distribute.get_strategy()
     assert not tf.distribute.has_strategy()
     with strategy.scope():
@@ -148,7 +149,7 @@ def test_strategy_accessors_name_the_strategy_of_models_and_variables():
     assert _compat.model_strategy(outside) is None
     kernel = inside.layers[0].kernel.value
     assert isinstance(kernel, tf.distribute.DistributedValues)
-    assert _compat.distributed_strategy(kernel) is strategy
+    assert _tf_compat.distributed_strategy(kernel) is strategy
 
 
 def test_flatten_layers_reaches_nested_layers():
@@ -165,9 +166,9 @@ def test_fit_remembers_one_replicas_batch_specs():
         inputs = keras.Input((3,))
         model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
         model.compile(optimizer="sgd", loss="mse")
-    assert _compat.train_data_specs(model) is None
+    assert _tf_compat.train_data_specs(model) is None
     model.fit(np.ones((6, 3), "float32"), np.ones((6, 1), "float32"), batch_size=6, verbose=0)
-    x, y = _compat.train_data_specs(model)
+    x, y = _tf_compat.train_data_specs(model)
     assert (x.shape, x.dtype, y.shape) == ((None, 3), "float32", (None, 1))
 
 
@@ -228,13 +229,13 @@ def test_dataset_specs_give_one_replica_share_with_unknown_batch():
         ({"x": np.ones((6, 3), "float32")}, np.ones((6, 1), "int32"))
     ).batch(4)
     spec = strategy.experimental_distribute_dataset(data).element_spec
-    specs = tf.nest.map_structure(_compat._spec_tensor, spec)
+    specs = tf.nest.map_structure(_tf_compat._spec_tensor, spec)
     assert specs[0]["x"].shape == (None, 3) and specs[0]["x"].dtype == "float32"
     assert specs[1].shape == (None, 1) and specs[1].dtype == "int32"
     optional = tf.OptionalSpec(tf.TensorSpec((None, 2), tf.float32))
-    assert _compat._spec_tensor(optional).shape == (None, 2)
-    assert _compat._spec_tensor(tf.OptionalSpec(tf.type_spec_from_value(None))) is None
-    sparse = _compat._spec_tensor(tf.SparseTensorSpec([None, 5], tf.float32))
+    assert _tf_compat._spec_tensor(optional).shape == (None, 2)
+    assert _tf_compat._spec_tensor(tf.OptionalSpec(tf.type_spec_from_value(None))) is None
+    sparse = _tf_compat._spec_tensor(tf.SparseTensorSpec([None, 5], tf.float32))
     assert sparse.sparse and sparse.shape == (None, 5)
 
 
@@ -243,7 +244,7 @@ def test_tf_epoch_iterator_exposes_its_distributed_dataset():
         x=np.ones((4, 2), "float32"), batch_size=2, distribute_strategy=strategy_for(2)
     )
     spec = iterator._get_iterator().element_spec
-    assert _compat._spec_tensor(spec).shape == (None, 2)
+    assert _tf_compat._spec_tensor(spec).shape == (None, 2)
 
 
 def test_trainer_builds_its_step_functions_through_make_function():
@@ -260,13 +261,13 @@ def test_synchronized_moments_function_keeps_its_signature_and_result():
     # it or changes its arguments fails here, not silently in training.
     from keras.src.backend.tensorflow import nn as tf_nn
 
-    stock = _compat._stock_moments_sync
+    stock = _tf_compat._stock_moments_sync
     assert list(inspect.signature(stock).parameters) == ["x", "axes", "keepdims"]
-    assert tf_nn._compute_moments_sync in (stock, _compat._moments_sync_without_padding)
+    assert tf_nn._compute_moments_sync in (stock, _tf_compat._moments_sync_without_padding)
     x = tf.constant(np.random.default_rng(0).normal(size=(5, 3)), tf.float32)
 
     def moments(rows):
-        with _compat.padding_left_out_of_synchronized_moments(rows):
+        with _tf_compat.padding_left_out_of_synchronized_moments(rows):
             return keras.ops.moments(x, axes=[0], synchronized=True)
 
     strategy = strategy_for(2)
@@ -292,11 +293,11 @@ def test_optional_carried_by_a_while_loop_takes_its_spec_once_traced():
 
         def body(i, outputs):
             value = tf.experimental.Optional.from_value({"square": i * i})
-            _compat.set_optional_spec(empty, value.element_spec)
+            _tf_compat.set_optional_spec(empty, value.element_spec)
             return i + 1, value
 
         _, outputs = tf.while_loop(lambda i, outputs: i < limit, body, (tf.constant(0), empty))
-        _compat.set_optional_spec(outputs, empty.element_spec)
+        _tf_compat.set_optional_spec(outputs, empty.element_spec)
         return outputs
 
     assert int(last_square(tf.constant(4)).get_value()["square"]) == 9
@@ -342,12 +343,12 @@ def test_several_steps_per_execution_trace_the_step_as_often_as_stock(replicas):
 
 
 def test_variable_creator_scopes_are_counted_on_this_thread():
-    outside = _compat.variable_creator_count()
+    outside = _tf_compat.variable_creator_count()
     with tf.variable_creator_scope(lambda next_creator, **kwargs: next_creator(**kwargs)):
-        assert _compat.variable_creator_count() == outside + 1
+        assert _tf_compat.variable_creator_count() == outside + 1
         with strategy_for(2).scope():
-            assert _compat.variable_creator_count() >= outside + 2
-    assert _compat.variable_creator_count() == outside
+            assert _tf_compat.variable_creator_count() >= outside + 2
+    assert _tf_compat.variable_creator_count() == outside
 
 
 def test_activity_penalty_convention_is_the_installed_keras_one():

@@ -10,8 +10,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import statistics
+from keras_safe_dist.backend.tensorflow import nan_probe as _nan_probe
 from keras_safe_dist.callbacks import NaNOnsetDetector
-from keras_safe_dist.nan import probe as _nan_probe
+from keras_safe_dist.nan import flags as _nan_flags
 
 from conftest import regression_data
 from conftest import strategy_for
@@ -368,7 +369,7 @@ def test_weights_nonfinite_before_training_are_reported_without_a_restore():
 def test_probe_refuses_more_replicas_than_its_flags_can_count(monkeypatch):
     model = build(2)
     monkeypatch.setattr(_nan_probe, "MAX_REPLICAS", 1)
-    request = _nan_probe.ProbeRequest(snapshot=False, count_updates=False)
+    request = _nan_flags.ProbeRequest(snapshot=False, count_updates=False)
     with pytest.raises(ValueError, match=r"support up to 1 replicas in sync. Received: a strategy with 2 replicas"):
         _nan_probe.NaNProbe(model, request, None)
 
@@ -554,13 +555,13 @@ def test_plain_keras_model_restore_finds_the_update_that_broke_the_weights(repli
 
 def test_probe_flags_decode_both_bitmasks_and_fall_back_to_counts():
     # Replicas 0 and 3 of 4 fired; replica 3's inputs were non-finite. B = 2**4.
-    step = _nan_probe.decode({"nonfinite_replicas": float(0b1001 + 16 * 0b1000)}, 4)
+    step = _nan_flags.decode({"nonfinite_replicas": float(0b1001 + 16 * 0b1000)}, 4)
     assert (step.fired, step.replicas, step.inputs, step.input_replicas, step.weights) == (2, (0, 3), 1, (3,), 0)
     # All 16 replicas fired, with non-finite inputs, and began with non-finite weights.
-    step = _nan_probe.decode({"nonfinite_replicas": float((2**16 - 1) * (1 + 2**16) + 16 * 2**32)}, 16)
+    step = _nan_flags.decode({"nonfinite_replicas": float((2**16 - 1) * (1 + 2**16) + 16 * 2**32)}, 16)
     assert (step.replicas, step.input_replicas, step.weights) == (tuple(range(16)), tuple(range(16)), 16)
     # Beyond 16 replicas the fields are counts, in base replicas + 1.
-    step = _nan_probe.decode({"nonfinite_replicas": float(5 + 33 * 2 + 33**2 * 32)}, 32)
+    step = _nan_flags.decode({"nonfinite_replicas": float(5 + 33 * 2 + 33**2 * 32)}, 32)
     assert (step.fired, step.replicas, step.inputs, step.input_replicas, step.weights) == (5, (), 2, (), 32)
 
 
@@ -569,15 +570,15 @@ def test_probe_flags_survive_the_mean_reduction_exactly(num_replicas):
     # Each replica scales its entry by the number of replicas; Keras sums and
     # divides, in the entry's dtype. Every replica fired with non-finite
     # inputs (the largest fields), and began with non-finite weights.
-    base = _nan_probe._base(num_replicas)
-    masks = num_replicas <= _nan_probe.MAX_REPLICAS_FOR_MASK
+    base = _nan_flags.base(num_replicas)
+    masks = num_replicas <= _nan_flags.MAX_REPLICAS_FOR_MASK
     ids = range(min(num_replicas, 16))
     per_replica = np.full(num_replicas, float(base**2))
     per_replica[: len(ids)] += [(2.0**r if masks else 1.0) * (1 + base) for r in ids]
     dtype = _nan_probe.entry_dtype(num_replicas)
     scaled = tf.constant(per_replica * num_replicas, dtype)
     for mean in (tf.reduce_sum(scaled) / num_replicas, tf.reduce_sum(scaled) * (1 / num_replicas)):
-        step = _nan_probe.decode({"nonfinite_replicas": float(mean)}, num_replicas)
+        step = _nan_flags.decode({"nonfinite_replicas": float(mean)}, num_replicas)
         assert step.fired == step.inputs == len(ids) and step.weights == num_replicas
     assert dtype == (tf.float32 if num_replicas <= 4 else tf.float64)
 

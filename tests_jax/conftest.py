@@ -4,9 +4,27 @@ The backend and the device count are fixed when keras and jax are imported, so
 these tests cannot share a process with `tests/` (TensorFlow's backend). Run:
 
     python3 -m pytest -q tests_jax
+
+A JAX user has no TensorFlow: in this process `import tensorflow` raises, as it
+does where TensorFlow is not installed, so a test that reaches TensorFlow
+fails here even on a machine that has it (subprocesses are not blocked).
 """
 
 import os
+import sys
+
+
+class _NoTensorFlow:
+    """A `sys.meta_path` finder that refuses `tensorflow` and its submodules."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "tensorflow" or name.startswith("tensorflow."):
+            raise ModuleNotFoundError(f"No module named {name!r} (tests_jax: a JAX user has no TensorFlow)")
+        return None
+
+
+assert "tensorflow" not in sys.modules, "tests_jax must start in a process without TensorFlow"
+sys.meta_path.insert(0, _NoTensorFlow())
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ["XLA_FLAGS"] = (

@@ -120,7 +120,7 @@ def test_nan_detector_names_the_layer_batch_and_row_of_a_non_finite_activation(
     assert (report["replica"], report["replicas"]) == (None, [])
     assert "sample rows 5" in report["summary"]
     assert model.stop_training
-    assert not keras_safe_dist.nan.jax_locate.nonfinite_weights(model)
+    assert not keras_safe_dist.backend.jax.nan_locate.nonfinite_weights(model)
     with open(tmp_path / "nan_onset.json") as f:
         assert json.load(f)["layer"] == "root"
     batch = np.load(tmp_path / "nan_onset_batch.npz")
@@ -195,7 +195,7 @@ def test_nan_detector_restore_replays_an_applied_non_finite_update(devices):
     report = detector.report
     assert (report["batch"], report["kind"]) == (3, "gradients")
     assert report["restored_to"] == "before this batch"
-    assert not keras_safe_dist.nan.jax_locate.nonfinite_weights(model)
+    assert not keras_safe_dist.backend.jax.nan_locate.nonfinite_weights(model)
 
 
 def test_nan_detector_continue_stops_after_consecutive_skips(devices, capsys):
@@ -224,7 +224,7 @@ def test_nan_detector_reads_the_loss_of_a_plain_keras_model(devices):
     assert (report["batch"], report["kind"], report["localized"]) == (1, "loss", False)
     assert report["variables"] == ["dense/kernel", "dense/bias"]  # the NaN update was applied
     assert report["restored_to"] == "before this batch"
-    assert not keras_safe_dist.nan.jax_locate.nonfinite_weights(model)
+    assert not keras_safe_dist.backend.jax.nan_locate.nonfinite_weights(model)
 
 
 # Audits

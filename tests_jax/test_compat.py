@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from keras.src.backend.jax import trainer as keras_jax_trainer
 
-from keras_safe_dist import _compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 
 
 def _parameters(function):
@@ -19,7 +19,7 @@ def _parameters(function):
 
 
 def test_batches_are_placed_through_the_module_function_the_context_swaps():
-    module = _compat.jax_data_placement()
+    module = _jax_compat.jax_data_placement()
     assert _parameters(module.distribute_data_input) == [
         "per_process_batch", "layout", "batch_dim_name",
     ]
@@ -31,14 +31,14 @@ def test_batches_are_placed_through_the_module_function_the_context_swaps():
 
 
 def test_the_context_places_an_indivisible_batch_whole_and_restores_keras():
-    module = _compat.jax_data_placement()
+    module = _jax_compat.jax_data_placement()
     original = module.distribute_data_input
     distribution = keras.distribution.DataParallel(devices=jax.devices())
     batch = np.arange(6, dtype="float32").reshape(3, 2)
     layout = distribution.get_data_layout(batch.shape).backend_layout
 
-    with _compat.uneven_batches_replicated():
-        with _compat.uneven_batches_replicated():  # re-entrant
+    with _jax_compat.uneven_batches_replicated():
+        with _jax_compat.uneven_batches_replicated():  # re-entrant
             placed = module.distribute_data_input(batch, layout, "batch")
         even = module.distribute_data_input(batch[:2], layout, "batch")
 
@@ -51,7 +51,7 @@ def test_the_context_places_an_indivisible_batch_whole_and_restores_keras():
 
 
 def _spied_placement(monkeypatch):
-    module = _compat.jax_data_placement()
+    module = _jax_compat.jax_data_placement()
     calls = []
     keras_function = module.distribute_data_input
 
@@ -70,7 +70,7 @@ def test_a_divisible_batch_is_left_to_keras(monkeypatch):
     jax_batch = jax.numpy.ones((4, 2))
     odd = np.ones((3, 2), "float32")
 
-    with _compat.uneven_batches_replicated():
+    with _jax_compat.uneven_batches_replicated():
         for batch in (numpy_batch, jax_batch):
             placed = module.distribute_data_input(
                 batch, distribution.get_data_layout(batch.shape), "batch"
@@ -91,7 +91,7 @@ def test_with_several_processes_keras_places_the_batch_and_an_indivisible_one_ra
     even = np.ones((4, 2), "float32")
     odd = np.ones((3, 2), "float32")
 
-    with _compat.uneven_batches_replicated():
+    with _jax_compat.uneven_batches_replicated():
         module.distribute_data_input(even, distribution.get_data_layout(even.shape), "batch")
         with pytest.raises(ValueError, match="A batch of 3 samples .* 2 processes .* divisible by 2"):
             module.distribute_data_input(odd, distribution.get_data_layout(odd.shape), "batch")
@@ -104,7 +104,7 @@ def test_losses_override_is_what_model_losses_reads():
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
     assert model._losses_override == []
     penalty = keras.ops.ones(())
-    with _compat.losses_override(model, [penalty]):
+    with _jax_compat.losses_override(model, [penalty]):
         assert model.losses == [penalty]
     assert model.losses == []
 

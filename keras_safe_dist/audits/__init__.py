@@ -1,8 +1,8 @@
 """Audits of a model's distributed-training setup, as findings with stable codes."""
 
 import keras
-import tensorflow as tf
 
+from keras_safe_dist._lazy import tensorflow as tf
 from keras_safe_dist.audits.aggregation import aggregation_findings
 from keras_safe_dist.audits.jax_backend import not_applicable
 from keras_safe_dist.audits.jax_backend import on_jax

@@ -4,11 +4,9 @@ import dataclasses
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_safe_dist import _compat
-
-_ON_READ = tf.VariableSynchronization.ON_READ
+from keras_safe_dist._lazy import tensorflow as tf
+from keras_safe_dist._lazy import tensorflow_compat as _tf_compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,19 +48,17 @@ def tf_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-# Strategies whose scope creates plain, one-device variables, like no scope.
-_PLAIN_STRATEGIES = (
-    tf.distribute.OneDeviceStrategy,
-    tf.compat.v1.distribute.OneDeviceStrategy,
-)
+def _plain_strategies():
+    """Strategies whose scope creates plain, one-device variables, like no scope."""
+    return (tf.distribute.OneDeviceStrategy, tf.compat.v1.distribute.OneDeviceStrategy)
 
 
 def strategy_of(variable):
     """The strategy whose scope created `variable`; the default one if none."""
     value = tf_variable(variable)
     if isinstance(value, tf.distribute.DistributedValues):
-        return _compat.distributed_strategy(value)
-    return _compat.default_strategy()
+        return _tf_compat.distributed_strategy(value)
+    return _tf_compat.default_strategy()
 
 
 def distributes_variables(strategy):
@@ -71,8 +67,8 @@ def distributes_variables(strategy):
     False for TensorFlow's default strategy and `OneDeviceStrategy`: both
     create plain variables, as if no scope were entered.
     """
-    return strategy is not _compat.default_strategy() and not isinstance(
-        strategy, _PLAIN_STRATEGIES
+    return strategy is not _tf_compat.default_strategy() and not isinstance(
+        strategy, _plain_strategies()
     )
 
 
@@ -104,7 +100,7 @@ def describe(variable, owner, role):
     value = tf_variable(variable)
     if isinstance(value, tf.distribute.DistributedValues):
         copies = value.values
-        on_read = value.synchronization == _ON_READ
+        on_read = value.synchronization == tf.VariableSynchronization.ON_READ
         container = "on-read" if on_read else "mirrored"
     else:
         copies = (value,)

@@ -1,8 +1,8 @@
 """Aggregation findings: variables whose cross-replica updates are combined wrongly."""
 
-import tensorflow as tf
 
-from keras_safe_dist import _compat
+from keras_safe_dist._lazy import tensorflow as tf
+from keras_safe_dist._lazy import tensorflow_compat as _tf_compat
 from keras_safe_dist.audits import _variables
 from keras_safe_dist.findings import Finding
 
@@ -43,7 +43,7 @@ def aggregation_findings(model, strategy=None):
 
 def describe_strategy(strategy):
     """`"MirroredStrategy with 2 replicas"`, or `"no strategy (one device)"`."""
-    if strategy is _compat.default_strategy():
+    if strategy is _tf_compat.default_strategy():
         return "no strategy (one device)"
     replicas = strategy.num_replicas_in_sync
     return (

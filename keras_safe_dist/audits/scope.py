@@ -19,9 +19,11 @@ import os
 import weakref
 
 import keras
-import tensorflow as tf
 
 from keras_safe_dist import _compat
+from keras_safe_dist import _warnings
+from keras_safe_dist._lazy import tensorflow as tf
+from keras_safe_dist._lazy import tensorflow_compat as _tf_compat
 from keras_safe_dist.audits import _variables
 from keras_safe_dist.audits.aggregation import describe_strategy
 from keras_safe_dist.findings import Finding
@@ -37,14 +39,6 @@ __all__ = [
     "training_strategy",
 ]
 
-# Frames in these folders are library code; the Python library folder also
-# holds site-packages, so Keras, TensorFlow and their dependencies are covered.
-_LIBRARIES = (
-    os.path.dirname(os.__file__) + os.sep,
-    os.path.dirname(_compat.__file__) + os.sep,
-    os.path.dirname(keras.__file__) + os.sep,
-    os.path.dirname(tf.__file__) + os.sep,
-)
 
 
 def training_strategy(model, strategy=None):
@@ -71,7 +65,7 @@ def training_strategy(model, strategy=None):
     """
     if strategy is not None:
         return strategy
-    default = _compat.default_strategy()
+    default = _tf_compat.default_strategy()
     own = _compat.model_strategy(model)
     if own is not None:
         return own
@@ -199,7 +193,7 @@ def _misplaced(code, subject, variables, strategy, fix):
     owner = _variables.strategy_of(wrong[0])
     where = (
         "no strategy (created outside every `strategy.scope()`)"
-        if owner is _compat.default_strategy()
+        if owner is _tf_compat.default_strategy()
         else f"another {describe_strategy(owner)}"
     )
     return Finding.of(
@@ -444,7 +438,7 @@ def _weak(variable):
 
 
 def _held_as(owner):
-    if owner is _compat.default_strategy():
+    if owner is _tf_compat.default_strategy():
         return "it is a plain variable on one device, not mirrored across replicas."
     return f"it belongs to another {describe_strategy(owner)}."
 
@@ -501,7 +495,7 @@ def _record_creation_sites():
     that creator scopes exit in the order they were entered, and that outer
     scope would exit before this one.
     """
-    if _compat.variable_creator_count() > 0:
+    if _tf_compat.variable_creator_count() > 0:
         return None
     scope = tf.variable_creator_scope(_record_site)
     scope.__enter__()
@@ -533,7 +527,7 @@ def creation_site():
     frame = inspect.currentframe()
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_LIBRARIES) and not filename.startswith("<"):
+        if not filename.startswith(_warnings.LIBRARIES) and not filename.startswith("<"):
             owner = frame.f_locals.get("self")
             function = frame.f_code.co_name
             if owner is not None:
@@ -543,5 +537,6 @@ def creation_site():
     return _UNKNOWN
 
 
-# Held for good: a collected scope would exit.
-_SITE_SCOPE = _record_creation_sites()
+# Held for good: a collected scope would exit. TensorFlow's variables only:
+# on JAX no strategy scope places them.
+_SITE_SCOPE = _record_creation_sites() if keras.backend.backend() == "tensorflow" else None

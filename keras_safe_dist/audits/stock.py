@@ -8,18 +8,16 @@ its strategy), the size where the configuration gives one, and the
 """
 
 import keras
-import tensorflow as tf
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _warnings
+from keras_safe_dist._lazy import tensorflow as tf
 from keras_safe_dist.audits.aggregation import describe_strategy
 from keras_safe_dist.findings import Finding
 
 __all__ = ["is_safe_model", "stock_findings", "warn_no_update_statistics"]
 
 _CLIPPING = ("global_clipnorm", "clipnorm", "clipvalue")
-# The strategies under which stock Keras's fit() crashes (doctor: multi-worker-fit).
-_MULTI_WORKER = (tf.distribute.MultiWorkerMirroredStrategy,)
 # Loss reductions that divide by the replica's own weight or mask total.
 _LOCAL_DENOMINATOR = ("mean_with_sample_weight",)
 
@@ -59,7 +57,8 @@ def stock_findings(model, strategy):
         if isinstance(candidate, keras.optimizers.Optimizer):
             findings += _optimizer_findings(candidate, replicas, where)
     findings += _loss_findings(model, where)
-    if isinstance(strategy, _MULTI_WORKER):
+    # Stock Keras's fit() crashes there (doctor: multi-worker-fit).
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         findings.append(
             Finding.of(
                 "DIST005",

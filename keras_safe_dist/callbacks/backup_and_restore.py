@@ -1,14 +1,15 @@
 """`BackupAndRestore` that is safe with several workers sharing one directory."""
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 
 import keras
-import tensorflow as tf
 
 from keras_safe_dist import _compat
+from keras_safe_dist import _files
 from keras_safe_dist import _json
 from keras_safe_dist import distributed
 
@@ -79,7 +80,8 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         self._worker_dir = None
 
     def on_train_begin(self, logs=None):
-        strategy = self.model.distribute_strategy
+        # None on JAX, where process 0 is the chief.
+        strategy = distributed.strategy_of(self.model)
         chief = distributed.is_chief(strategy)
         worker_dir = None
         if chief:
@@ -100,13 +102,13 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         # own pace, each removes what it wrote, then the directory if it is
         # empty (whichever removes last sees it empty).
         if self._worker_dir is not None:
-            _remove(self._worker_dir)
+            _files.remove(self._worker_dir)
             self._worker_dir = None
         elif self.delete_checkpoint:
             # The metadata first: without it the weights are no backup.
-            _remove(os.path.join(self._chief_dir, METADATA_FILE))
+            _files.remove(os.path.join(self._chief_dir, METADATA_FILE))
             for name in _own_files(self._chief_dir):
-                _remove(os.path.join(self._chief_dir, name))
+                _files.remove(os.path.join(self._chief_dir, name))
         if self.delete_checkpoint:
             _remove_if_empty(self._chief_dir)
         # Keras keeps the restored epoch on the model, where the next fit()
@@ -118,13 +120,13 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _save(self, directory, epoch):
         """Writes the weights after `epoch` epochs, then the metadata that commits them."""
-        tf.io.gfile.makedirs(directory)
+        _files.makedirs(directory)
         name = _weights_name(epoch)
         path = os.path.join(directory, name)
         tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}_{name}")
         self.model.save_weights(tmp, overwrite=True)
         size, digest = _digest(tmp)
-        _replace(tmp, path)
+        _files.rename(tmp, path)
         metadata = {
             "epoch": epoch,
             "batch": 0,
@@ -137,7 +139,7 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         _write_json(os.path.join(directory, METADATA_FILE), metadata)
         for other in _own_files(directory):
             if other != name:
-                _remove(os.path.join(directory, other))
+                _files.remove(os.path.join(directory, other))
 
     def _restore(self):
         """Restores the chief's backup whole, or raises naming what is damaged."""
@@ -150,7 +152,7 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
             )
         directory = self._chief_dir
         metadata_path = os.path.join(directory, METADATA_FILE)
-        if not tf.io.gfile.exists(metadata_path):
+        if not _files.exists(metadata_path):
             committed = [n for n in _own_files(directory) if not n.startswith(_TMP_PREFIX)]
             if committed:
                 raise _damaged(
@@ -168,7 +170,7 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
                 f"epochs={epochs}: it is the backup of another run",
             )
         weights_path = os.path.join(directory, metadata["weights"])
-        if not tf.io.gfile.exists(weights_path):
+        if not _files.exists(weights_path):
             raise _damaged(
                 directory, metadata["weights"],
                 f"is missing, although {METADATA_FILE} names it",
@@ -189,8 +191,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         model = self.model
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:
-            # The optimizer's variables must exist before they are loaded.
-            with model.distribute_strategy.scope():
+            # The optimizer's variables must exist before they are loaded, in
+            # the strategy's scope on TensorFlow (JAX has none).
+            strategy = distributed.strategy_of(model)
+            with strategy.scope() if strategy is not None else contextlib.nullcontext():
                 optimizer.build(model.trainable_variables)
         variables = list(model.weights) + list(optimizer.variables if optimizer is not None else [])
         before = [variable.numpy() for variable in variables]
@@ -223,12 +227,8 @@ def _weights_name(epoch):
 
 def _own_files(directory):
     """The weights files (committed or half-written) and temporary files of a backup."""
-    try:
-        names = tf.io.gfile.listdir(directory)
-    except tf.errors.NotFoundError:
-        return []
     return sorted(
-        name for name in names
+        name for name in _files.listdir(directory)
         if _WEIGHTS_PATTERN.match(name) or name.startswith(f"{METADATA_FILE}.tmp")
     )
 
@@ -236,12 +236,12 @@ def _own_files(directory):
 def _read_metadata(directory, path):
     """The backup's metadata, checked to be of the shape `_save` writes."""
     try:
-        with tf.io.gfile.GFile(path, "rb") as f:
+        with _files.open_file(path, "rb") as f:
             raw = f.read(_METADATA_LIMIT + 1)
         if len(raw) > _METADATA_LIMIT:
             raise ValueError(f"over {_METADATA_LIMIT} bytes")
         metadata = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-    except (OSError, tf.errors.OpError, UnicodeDecodeError, ValueError, RecursionError) as error:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
         raise _damaged(directory, METADATA_FILE, f"is not readable JSON ({error})") from error
     expected = {
         "epoch": int, "batch": int, "weights": str, "weights_bytes": int, "weights_sha256": str,
@@ -288,7 +288,7 @@ def _digest(path):
     """`(size in bytes, SHA-256 hex digest)` of a file."""
     digest = hashlib.sha256()
     size = 0
-    with tf.io.gfile.GFile(path, "rb") as f:
+    with _files.open_file(path, "rb") as f:
         while True:
             chunk = f.read(1 << 20)
             if not chunk:
@@ -298,22 +298,12 @@ def _digest(path):
     return size, digest.hexdigest()
 
 
-def _replace(source, target):
-    """Puts `source` in place of `target` in one step."""
-    if "://" in target:  # a remote filesystem (gs://, s3://...)
-        tf.io.gfile.rename(source, target, overwrite=True)
-    else:
-        with open(source, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(source, target)
-
-
 def _write_json(path, data):
-    if "://" in path:
+    if _files.remote(path):
         tmp = f"{path}.tmp{os.getpid()}"
-        with tf.io.gfile.GFile(tmp, "w") as f:
+        with _files.open_file(tmp, "w") as f:
             f.write(_json.dumps(data, indent=2, sort_keys=True) + "\n")
-        _replace(tmp, path)
+        _files.rename(tmp, path)
     else:
         _json.write(path, data)
 
@@ -326,12 +316,12 @@ def _check_writable(directory):
     """
     probe = os.path.join(directory, f".keras_safe_dist_write_check_{os.getpid()}")
     try:
-        tf.io.gfile.makedirs(directory)
-        with tf.io.gfile.GFile(probe, "w") as f:
+        _files.makedirs(directory)
+        with _files.open_file(probe, "w") as f:
             f.write("")
-        tf.io.gfile.remove(probe)
-    except (OSError, tf.errors.OpError) as error:
-        problem = getattr(error, "message", None) or str(error)
+        _files.remove(probe)
+    except OSError as error:
+        problem = error.strerror or str(error)
         raise OSError(
             f"MultiWorkerBackupAndRestore cannot write its backup to {directory!r}: "
             f"{problem}. Pass a `backup_dir` that every worker can create and write."
@@ -339,18 +329,7 @@ def _check_writable(directory):
 
 
 def _remove_if_empty(directory):
-    try:
-        if tf.io.gfile.isdir(directory) and not tf.io.gfile.listdir(directory):
-            tf.io.gfile.rmtree(directory)
-    except tf.errors.NotFoundError:
-        pass  # another worker removed it
+    # Another worker may have removed it already: `_files.remove` allows that.
+    if _files.isdir(directory) and not _files.listdir(directory):
+        _files.remove(directory)
 
-
-def _remove(path):
-    try:
-        if tf.io.gfile.isdir(path):
-            tf.io.gfile.rmtree(path)
-        elif tf.io.gfile.exists(path):
-            tf.io.gfile.remove(path)
-    except tf.errors.NotFoundError:
-        pass

@@ -1,19 +1,19 @@
 """The NaN onset detector.
 
-- `probe`: the in-step checks a `SafeDistributedModel` builds into its train
-  step when a detector asks (`request_from`, `NaNProbe`), and the host-side
-  decoding of their flags;
-- `locate` and `replay`: after an onset, which replica, tensor and layer;
+- `flags`: what a detector asks of the train step (`ProbeRequest`,
+  `request_from`) and the decoding of the flags the step returns;
+- `replay`: what a replay found, and the layer-call recording it uses;
 - `report`: the report's fields, paragraph, files and findings;
 - `callback`: `NaNOnsetDetector`, exported as
   `keras_safe_dist.callbacks.NaNOnsetDetector`.
 
-The model depends on `request_from` and `NaNProbe` only; nothing here is
-imported by the model beyond them.
+Each backend's in-step checks, replay and location of the bad micro-batch
+are in its own folder: `backend/tensorflow/nan_probe.py`, `nan_replay.py`
+and `nan_locate.py`; `backend/jax/nan_locate.py`. The model depends on
+`request_from` only. Nothing here imports TensorFlow or jax.
 """
 
-from keras_safe_dist.nan.probe import NaNProbe
-from keras_safe_dist.nan.probe import ProbeRequest
-from keras_safe_dist.nan.probe import request_from
+from keras_safe_dist.nan.flags import ProbeRequest
+from keras_safe_dist.nan.flags import request_from
 
-__all__ = ["NaNProbe", "ProbeRequest", "request_from"]
+__all__ = ["ProbeRequest", "request_from"]

@@ -12,8 +12,7 @@ from keras_safe_dist import distributed
 from keras_safe_dist import summaries
 from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.model import SafeDistributedModel
-from keras_safe_dist.nan import locate as _nan_locate
-from keras_safe_dist.nan import probe as _nan_probe
+from keras_safe_dist.nan import flags as _nan_flags
 from keras_safe_dist.nan import report as _nan_report
 
 __all__ = ["NaNOnsetDetector"]
@@ -22,10 +21,23 @@ ACTIONS = ("stop", "restore", "continue")
 
 
 def _jax_locate():
-    # Imported on the JAX backend only: importing it imports jax.
-    from keras_safe_dist.nan import jax_locate
+    # Each backend's replay, imported on that backend only: importing it
+    # imports the backend's library.
+    from keras_safe_dist.backend.jax import nan_locate
 
-    return jax_locate
+    return nan_locate
+
+
+def _tf_locate():
+    from keras_safe_dist.backend.tensorflow import nan_locate
+
+    return nan_locate
+
+
+def _tf_probe():
+    from keras_safe_dist.backend.tensorflow import nan_probe
+
+    return nan_probe
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
@@ -67,7 +79,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     logs each batch, so Keras's asynchronous batch hooks are off during its
     `fit()`), and the weights at an onset and at epoch ends. At the onset
     it replays the micro-batches of that update group eagerly with
-    `model.stateless_call` (see `keras_safe_dist.nan.jax_locate`) to name the
+    `model.stateless_call` (see `keras_safe_dist.backend.jax.nan_locate`) to name the
     kind, the first layer with a non-finite output from finite inputs and
     the sample `rows` of the micro-batch that hold the value; a batch is one
     global array there, so `replica` is None and `replicas` empty.
@@ -148,7 +160,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             A `ProbeRequest`: weight snapshots with `action="restore"`, a
             count of applied updates with `action="continue"`.
         """
-        return _nan_probe.ProbeRequest(
+        return _nan_flags.ProbeRequest(
             snapshot=self.action == "restore", count_updates=self.action == "continue"
         )
 
@@ -245,7 +257,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 self._plain_snapshots = (
                     _jax_locate().JAXSnapshots(self.model)
                     if on_jax()
-                    else _nan_locate.PlainSnapshots(self.model)
+                    else _tf_locate().PlainSnapshots(self.model)
                 )
             self._plain_snapshots.take(self._step)
 
@@ -257,13 +269,13 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     # detector names the onset batch without an in-step probe.
     def on_train_batch_end(self, batch, logs=None):
         logs = logs or {}
-        flags = {name: logs.pop(name) for name in _nan_probe.LOG_NAMES if name in logs}
+        flags = {name: logs.pop(name) for name in _nan_flags.LOG_NAMES if name in logs}
         loss, norm = logs.get("loss"), logs.get("grad_norm")
         # With several steps per execution the logs are its last step's, and
         # say how many steps it ran (it ends at a step that fired).
         steps = 1
-        if _nan_probe.LOG_NAMES[2] in flags:
-            steps = int(round(flags.pop(_nan_probe.LOG_NAMES[2])))
+        if _nan_flags.LOG_NAMES[2] in flags:
+            steps = int(round(flags.pop(_nan_flags.LOG_NAMES[2])))
             batch = self._execution_begin + steps - 1
             if steps > 1:
                 self._last_batch = (self._epoch, batch - 1)
@@ -279,7 +291,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 "grad_norm": norm is not None and not math.isfinite(norm) and not self._loss_scaled,
             }
             if flags.get("nonfinite_replicas") or any(logged.values()):
-                step = _nan_probe.decode(flags, self._replicas) if flags else None
+                step = _nan_flags.decode(flags, self._replicas) if flags else None
                 # Weights non-finite when this step began: the previous update broke them.
                 self._onset(step, logged, previous=step is not None and step.weights > 0)
         if self.action == "continue" and self._jax:
@@ -293,7 +305,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
-        for name in _nan_probe.LOG_NAMES:
+        for name in _nan_flags.LOG_NAMES:
             logs.pop(name, None)
         if self.report is None and self._jax and self._new_skip(logs):
             # The epoch-end flush of a partial accumulation group was skipped.
@@ -351,7 +363,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             shares = self._locate_jax(report, step, logged, weights, previous)
         elif self._full:
             restore = self._probe.restore if self.action == "restore" else None
-            shares = _nan_locate.locate(model, self._probe, report, step, logged, weights, restore)
+            shares = _tf_locate().locate(model, self._probe, report, step, logged, weights, restore)
         else:
             self._onset_plain(report, weights, from_logs=any(logged.values()))
         if previous and self._previous is None:
@@ -497,7 +509,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     def _nonfinite_weights(self):
         if on_jax():
             return _jax_locate().nonfinite_weights(self.model)
-        return _nan_probe.WeightCheck.of(self.model)()
+        return _tf_probe().WeightCheck.of(self.model)()
 
     def _updates_in_epoch(self):
         if self._jax:

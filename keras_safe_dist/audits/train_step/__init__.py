@@ -7,7 +7,7 @@ the state through it. Its mistakes raise no error: a forward pass without
 are dropped, a batch or state not laid out as the distribution says.
 `audit_train_step` runs the step a few times on a copy of the state and
 reports them. The rules are in `_checks.py`; the JAX layout check in
-`_jax_layout.py`, imported on the JAX backend only.
+`keras_safe_dist/backend/jax/train_step_layout.py`, imported on the JAX backend only.
 """
 
 import keras
@@ -208,6 +208,6 @@ def _layout_module():
     """The JAX layout check on the JAX backend (imported there only), else None."""
     if keras.backend.backend() != "jax":
         return None
-    from keras_safe_dist.audits.train_step import _jax_layout
+    from keras_safe_dist.backend.jax import train_step_layout as _jax_layout
 
     return _jax_layout

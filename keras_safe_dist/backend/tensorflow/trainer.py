@@ -1,7 +1,7 @@
 """TensorFlow's train step for `SafeDistributedModel`, under `tf.distribute`.
 
 Each replica runs the forward and backward pass on its share of the
-micro-batch (`_step`), and the `UpdateEngine` (keras_safe_dist/_update.py)
+micro-batch (`_step`), and the `UpdateEngine` (`_update.py`, beside this module)
 accumulates, all-reduces once per update, clips and applies. What does not
 depend on the backend (the options, their validation, the loss
 numerator/denominator rule in `_loss`, the epoch boundary) is in
@@ -11,20 +11,21 @@ keras_safe_dist/model.py; JAX's step is in keras_safe_dist/backend/jax/trainer.p
 import keras
 import tensorflow as tf
 
-from keras_safe_dist import _accumulate
 from keras_safe_dist import _compat
 from keras_safe_dist import _loss
-from keras_safe_dist import _shares
 from keras_safe_dist import _warnings
-from keras_safe_dist import _xla
-from keras_safe_dist import nan
-from keras_safe_dist._update import UpdateEngine
-from keras_safe_dist._update import all_reduced_totals
-from keras_safe_dist._update import loss_value
 from keras_safe_dist.audits import scope as _scope
+from keras_safe_dist.backend.tensorflow import _accumulate
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
+from keras_safe_dist.backend.tensorflow import _shares
+from keras_safe_dist.backend.tensorflow import _xla
+from keras_safe_dist.backend.tensorflow import nan_probe
+from keras_safe_dist.backend.tensorflow._update import UpdateEngine
+from keras_safe_dist.backend.tensorflow._update import all_reduced_totals
+from keras_safe_dist.backend.tensorflow._update import loss_value
 
 
-class TensorFlowTrainer(_compat.TrainerOverrides):
+class TensorFlowTrainer(_tf_compat.TrainerOverrides):
     """The TensorFlow half of `SafeDistributedModel`: its step, placed before `keras.Model`."""
 
     def _reset_step_state(self):
@@ -143,8 +144,8 @@ class TensorFlowTrainer(_compat.TrainerOverrides):
         self._update_engine = UpdateEngine(self, rows=not self.jit_compile)
         self._nan_probe = None
         if self._nan_probe_request is not None:
-            self._nan_probe = nan.NaNProbe(
-                self, self._nan_probe_request, _compat.train_data_specs(self)
+            self._nan_probe = nan_probe.NaNProbe(
+                self, self._nan_probe_request, _tf_compat.train_data_specs(self)
             )
         self._xla_step = None
         # With several steps per execution, the execution ends at the step

@@ -11,7 +11,7 @@ keeps `PlainSnapshots` for a plain `keras.Model` with `action="restore"`.
 import tensorflow as tf
 
 from keras_safe_dist import distributed
-from keras_safe_dist.nan import replay as _nan_replay
+from keras_safe_dist.backend.tensorflow import nan_replay as _nan_replay
 
 __all__ = ["PlainSnapshots", "locate"]
 

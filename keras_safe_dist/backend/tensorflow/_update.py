@@ -19,7 +19,8 @@ from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import _stats
 from keras_safe_dist import statistics
-from keras_safe_dist._accumulate import Accumulators
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
+from keras_safe_dist.backend.tensorflow._accumulate import Accumulators
 
 _ON_READ = tf.VariableSynchronization.ON_READ
 _SUM = tf.VariableAggregation.SUM
@@ -147,7 +148,7 @@ class UpdateEngine:
         denominator.
         """
         if micro.undivided is not None and self.steps > 1:
-            raise _summed_activity_penalties_error(
+            raise _loss.summed_activity_penalties_error(
                 self.model, "gradient_accumulation_steps", self.steps
             )
         reduced = None
@@ -208,7 +209,7 @@ class UpdateEngine:
         Returns the `(value, weight)` to log, as `objective()` does.
         """
         if micro.undivided is not None:
-            raise _summed_activity_penalties_error(self.model, "jit_compile", True)
+            raise _loss.summed_activity_penalties_error(self.model, "jit_compile", True)
         restore = None
         reduced = None
         logged = micro
@@ -372,7 +373,7 @@ class UpdateEngine:
 
         def apply_update():
             optimizer = self.loss_scale.inner_optimizer if self.loss_scale else self.model.optimizer
-            with _compat.gradients_already_reduced(optimizer):
+            with _tf_compat.gradients_already_reduced(optimizer):
                 strategy.extended.call_for_each_replica(
                     self._apply_gradients, args=(optimizer, grads)
                 )
@@ -430,24 +431,6 @@ def loss_value(micro, reduced=None):
         undivided = None if undivided is None else reduced[2]
     value = numerator if denominator is None else tf.math.divide_no_nan(numerator, denominator)
     return value if undivided is None else value + undivided
-
-
-def _summed_activity_penalties_error(model, option, value):
-    layers = [
-        layer.name
-        for layer in _compat.flatten_layers(model)
-        if getattr(layer, "activity_regularizer", None) is not None
-    ]
-    return ValueError(
-        "SafeDistributedModel cannot train activity regularizers exactly with "
-        f"{option}={value!r} on keras {keras.__version__}: before keras 3.14 "
-        "Keras adds an activity penalty summed over the batch, not divided by "
-        "it, and that sum cannot be split into micro-batches or compiled "
-        "shares whose loss is divided once after the all-reduce. Received: "
-        f"{option}={value!r} and activity regularizers on layers {layers}. "
-        f"Use keras >= 3.14, or {option}="
-        f"{1 if option == 'gradient_accumulation_steps' else False}."
-    )
 
 
 def _grow_loss_scale(optimizer):

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from keras_safe_dist import _compat
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 
 
 class EmptyShareGuard:
@@ -62,7 +63,7 @@ class EmptyShareGuard:
         if self.synchronized:
             # The moments are the same on every replica, so are the moving
             # statistics they update: those are kept on an empty share too.
-            excluded = _compat.padding_left_out_of_synchronized_moments(pad)
+            excluded = _tf_compat.padding_left_out_of_synchronized_moments(pad)
         else:
             excluded = contextlib.nullcontext()
         with excluded:

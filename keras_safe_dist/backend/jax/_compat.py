@@ -1,0 +1,88 @@
+"""The private Keras APIs JAX's step relies on.
+
+With `keras_safe_dist/_compat.py` (the backend-neutral ones) the only place
+that touches them; `tests_jax/test_compat.py` checks every name used here, so
+a Keras release that renames or changes one fails that test loudly.
+"""
+
+import contextlib
+
+import jax
+from keras.src.backend.jax import distribution_lib as _keras_jax_distribution_lib
+from keras.src.distribution import TensorLayout
+
+
+@contextlib.contextmanager
+def losses_override(model, losses):
+    """While open, `model.losses` reads `losses`, as Keras's JAX step sets them.
+
+    `stateless_call(..., return_losses=True)` returns the forward pass's
+    `add_loss()` and activity losses instead of leaving them on the layers.
+    """
+    model._losses_override.clear()
+    model._losses_override = list(losses)
+    try:
+        yield
+    finally:
+        model._losses_override.clear()
+
+
+def jax_data_placement():
+    """The module whose `distribute_data_input` Keras's JAX trainer places each batch with."""
+    return _keras_jax_distribution_lib
+
+
+@contextlib.contextmanager
+def uneven_batches_replicated():
+    """While open, Keras's JAX trainer places a batch the data axis does not divide replicated.
+
+    Keras shards each global batch along the distribution's batch axis, which
+    fails (`IndivisibleError`) when the device count does not divide the
+    batch. Such a batch is placed whole on every device instead: each device
+    computes the same step on every sample, the one-device result, without
+    the data-parallel speed-up. Divisible batches are placed as Keras places
+    them. Re-entrant; restores Keras's function on exit.
+    """
+    module = jax_data_placement()
+    original = module.distribute_data_input
+    if getattr(original, "_keras_safe_dist", False):
+        yield
+        return
+
+    def distribute_data_input(per_process_batch, layout, batch_dim_name):
+        replicated = _replicated_if_indivisible(per_process_batch, layout)
+        if replicated is None:
+            return original(per_process_batch, layout, batch_dim_name)
+        return replicated
+
+    distribute_data_input._keras_safe_dist = True
+    module.distribute_data_input = distribute_data_input
+    try:
+        yield
+    finally:
+        module.distribute_data_input = original
+
+
+def _replicated_if_indivisible(batch, layout):
+    if isinstance(layout, TensorLayout):
+        layout = layout.backend_layout
+    spec = getattr(layout, "spec", None)
+    if spec is None or len(spec) == 0 or spec[0] is None or not batch.shape:
+        return None
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    parts = 1
+    for axis in axes:
+        parts *= layout.mesh.shape[axis]
+    if batch.shape[0] % parts == 0:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"A batch of {batch.shape[0]} samples on this process does not split "
+            f"across the {parts} shards of the data-parallel axis, and with "
+            f"{jax.process_count()} processes it cannot be placed whole on every "
+            "device (each process holds different samples). Use a batch size "
+            f"divisible by {parts}, and drop or pad the remainder of the data."
+        )
+    return jax.device_put(
+        batch, jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+    )

@@ -1,0 +1,106 @@
+"""What a NaN detector asks of the train step, and the flags the step returns.
+
+`NaNOnsetDetector` makes a `ProbeRequest`; `SafeDistributedModel.fit()` finds it
+among the callbacks (`request_from`) and builds its backend's in-step checks
+from it (TensorFlow's: `backend/tensorflow/nan_probe.py`). The checks return
+their flags in the step's logs under `LOG_NAMES`; `decode` turns the reduced
+`nonfinite_replicas` entry into a `Step`. Imports neither TensorFlow nor jax.
+"""
+
+from typing import NamedTuple
+
+import keras
+
+__all__ = ["LOG_NAMES", "ProbeRequest", "Step", "decode", "request_from"]
+
+LOG_NAMES = ("nonfinite_replicas", "applied_updates", "executed_steps")
+MAX_REPLICAS_FOR_MASK = 16
+# With B = replicas + 1 the scaled entry stays below B**4, exact in float64 up to 2**53.
+MAX_REPLICAS = 8191
+# Up to here the scaled entry stays below 2**14: exact in float32, even after a
+# mean that multiplies by a rounded 1 / replicas.
+MAX_REPLICAS_FOR_FLOAT32 = 4
+
+
+class ProbeRequest(NamedTuple):
+    """What a detector asks of the train step.
+
+    A callback makes one in its `nan_probe_request()` method;
+    `SafeDistributedModel` builds a `NaNProbe` from it.
+
+    Args:
+        snapshot: copy the weights and optimizer state before each step.
+        count_updates: log `applied_updates`.
+
+    Example:
+
+    ```python
+    request = ProbeRequest(snapshot=True, count_updates=False)
+    print(request.snapshot)  # True
+    ```
+    """
+
+    snapshot: bool
+    count_updates: bool
+
+
+def request_from(callbacks):
+    """The `ProbeRequest` of the first callback that makes one, or None.
+
+    A callback makes one when it has a callable `nan_probe_request`
+    attribute, as `NaNOnsetDetector` does.
+
+    Args:
+        callbacks: a list (possibly nested) of callbacks, a
+            `keras.callbacks.CallbackList`, or None.
+
+    Returns:
+        The first callback's `nan_probe_request()`, or None when no callback
+        has one.
+
+    Example:
+
+    ```python
+    detector = keras_safe_dist.callbacks.NaNOnsetDetector(action="restore")
+    request = request_from([keras.callbacks.History(), detector])
+    print(request)  # ProbeRequest(snapshot=True, count_updates=False)
+    ```
+    """
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for callback in keras.tree.flatten(callbacks or []):
+        request = getattr(callback, "nan_probe_request", None)
+        if callable(request):
+            return request()
+    return None
+
+
+class Step(NamedTuple):
+    """One step's decoded flags."""
+
+    fired: int  # number of replicas that fired
+    replicas: tuple  # their ids, or () with more than 16 replicas
+    inputs: int  # number of replicas whose share of the inputs is non-finite
+    input_replicas: tuple  # their ids, or () with more than 16 replicas
+    weights: int  # number of workers whose weights were non-finite at the step's start
+    applied_updates: object  # int, or None when not requested
+
+
+def decode(logs, num_replicas):
+    """Decodes the probe's log entries (already reduced) into a `Step`."""
+    radix = base(num_replicas)
+    weights, rest = divmod(int(round(logs["nonfinite_replicas"])), radix**2)
+    inputs, fired = divmod(rest, radix)
+    replicas = input_replicas = ()
+    if num_replicas <= MAX_REPLICAS_FOR_MASK:
+        replicas = tuple(r for r in range(num_replicas) if fired >> r & 1)
+        input_replicas = tuple(r for r in range(num_replicas) if inputs >> r & 1)
+        fired, inputs = len(replicas), len(input_replicas)
+    applied = logs.get("applied_updates")
+    applied = None if applied is None else int(round(applied))
+    return Step(fired, replicas, inputs, input_replicas, weights, applied)
+
+
+def base(num_replicas):
+    """The radix of the `nonfinite_replicas` entry for `num_replicas` replicas."""
+    return 2**num_replicas if num_replicas <= MAX_REPLICAS_FOR_MASK else num_replicas + 1
