@@ -1,17 +1,20 @@
 """Writing reports into a run's log directory, from the chief only.
 
-TensorBoard reads what is written here: markdown with `tf.summary.text` and
-counts with `tf.summary.scalar`. The same reports are also written as JSON, so
-that `keras-safe-dist report LOGDIR` can read them back without TensorBoard.
+TensorBoard reads what is written here: markdown as text summaries and counts
+as scalar summaries, written as `tf.summary.text` and `tf.summary.scalar`
+write them but with the `tensorboard` package alone (`keras_safe_dist._events`:
+no TensorFlow needed). The same reports are also written as JSON, so that
+`keras-safe-dist report LOGDIR` can read them back without TensorBoard.
 Under multi-worker training only the chief writes; the other workers' calls
 return without touching the file system. Callbacks run outside the strategy's
 scope, so they pass the model's `distribute_strategy` to tell who the chief is.
 """
 
+import atexit
 import os
+import threading
 
-import tensorflow as tf
-
+from keras_safe_dist import _events
 from keras_safe_dist import _json
 from keras_safe_dist.distributed import is_chief
 
@@ -19,13 +22,13 @@ __all__ = ["write_json", "write_report", "write_scalars", "write_text"]
 
 
 def write_text(log_dir, tag, markdown, step=0, strategy=None):
-    """Writes `markdown` as a `tf.summary.text` under `tag`; chief only."""
+    """Writes `markdown` as a text summary under `tag`; chief only."""
     if is_chief(strategy):
         _write_summaries(log_dir, step, texts={tag: markdown})
 
 
 def write_scalars(log_dir, scalars, step=0, strategy=None):
-    """Writes each `{tag: value}` as a `tf.summary.scalar`; chief only."""
+    """Writes each `{tag: value}` as a scalar summary; chief only."""
     if is_chief(strategy):
         _write_summaries(log_dir, step, scalars=scalars)
 
@@ -64,11 +67,13 @@ def write_report(log_dir, report, step=0, extra=None, strategy=None):
 
 
 def _write_summaries(log_dir, step, texts=None, scalars=None):
-    with _writer(log_dir) as writer, writer.as_default():
-        for tag, markdown in (texts or {}).items():
-            tf.summary.text(tag, markdown, step=step)
-        for tag, value in (scalars or {}).items():
-            tf.summary.scalar(tag, value, step=step)
+    # One event per value, as tf.summary.text and tf.summary.scalar write them.
+    writer = _writer(log_dir)
+    for tag, markdown in (texts or {}).items():
+        writer.write(step, [_events.text(tag, markdown)])
+    for tag, value in (scalars or {}).items():
+        writer.write(step, [_events.scalar(tag, value)])
+    writer.flush()
 
 
 def _write_json(log_dir, filename, data):
@@ -81,21 +86,28 @@ def _write_json(log_dir, filename, data):
 # files in name order, which within a second is not the order they were
 # written, and drops the steps it then sees "go back".
 _WRITERS = {}
+_WRITERS_LOCK = threading.Lock()
 
 
-class _writer:
-    """The log directory's file writer; flushed on exit, kept open for the next write."""
+@atexit.register
+def _close_writers():
+    with _WRITERS_LOCK:
+        for writer in _WRITERS.values():
+            writer.close()
+        _WRITERS.clear()
 
-    def __init__(self, log_dir):
-        key = os.path.abspath(log_dir)
+
+def _writer(log_dir):
+    """The log directory's event file writer, kept open for the next write."""
+    log_dir = os.fspath(log_dir)
+    remote = "://" in log_dir
+    key = log_dir if remote else os.path.abspath(log_dir)
+    with _WRITERS_LOCK:
         writer = _WRITERS.get(key)
-        if writer is None or not os.path.isdir(key):
-            # New, or its directory was removed since: start a new file.
-            writer = _WRITERS[key] = tf.summary.create_file_writer(log_dir)
-        self._writer = writer
-
-    def __enter__(self):
-        return self._writer
-
-    def __exit__(self, *exc):
-        self._writer.flush()
+        # A local file removed since (its directory with it): start a new one.
+        # A remote file is not looked for: that would cost a round trip per write.
+        if writer is None or not (remote or os.path.exists(writer.path)):
+            if writer is not None:
+                writer.close()
+            writer = _WRITERS[key] = _events.EventFileWriter(log_dir)
+        return writer

@@ -175,6 +175,17 @@ def test_update_freq_epoch_writes_the_epoch_charts_only(tmp_path):
     assert [c.title for c in layout.category] == [DASHBOARD_TITLE]
 
 
+@pytest.mark.parametrize("per_update", [False, True])
+def test_layout_event_is_the_one_tensorboard_builds_with_tensorflow(per_update):
+    from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
+
+    from keras_safe_dist.callbacks import dashboard
+
+    # custom_scalar.summary.pb imports TensorFlow; the Dashboard builds the same bytes without it.
+    expected = custom_scalar_summary.pb(dashboard.layout(per_update)).SerializeToString()
+    assert dashboard._layout_summary(dashboard.layout(per_update)).SerializeToString() == expected
+
+
 @pytest.mark.parametrize("bad", [0, -1, "batchy", "batch", 2.0, True, None])
 def test_bad_update_freq_says_what_is_expected(bad):
     message = (

@@ -31,3 +31,18 @@ def test_a_removed_log_dir_is_written_again(tmp_path):
     events = event_accumulator.EventAccumulator(log_dir, size_guidance={"tensors": 0})
     events.Reload()
     assert [e.step for e in events.Tensors("a")] == [1]
+
+
+def test_a_removed_event_file_is_written_again_in_the_same_directory(tmp_path):
+    log_dir = str(tmp_path)
+    summaries.write_text(log_dir, "notes", "first", step=0)
+    (first,) = os.listdir(log_dir)
+    os.remove(os.path.join(log_dir, first))
+    summaries.write_text(log_dir, "notes", "second", step=1)
+    summaries.write_scalars(log_dir, {"a": 3.0}, step=2)
+    (second,) = os.listdir(log_dir)
+    assert second != first
+    events = event_accumulator.EventAccumulator(log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    assert [(e.step, tf.make_ndarray(e.tensor_proto).item()) for e in events.Tensors("notes")] == [(1, b"second")]
+    assert [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors("a")] == [(2, 3.0)]
