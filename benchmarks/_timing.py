@@ -30,17 +30,20 @@ def no_collection():
         gc.enable()
 
 
-def epoch_seconds(model, x, y, batch, wait=None):
+def epoch_seconds(model, x, y, batch, wait=None, callbacks=None):
     """Seconds of one `fit()` epoch, unshuffled, without garbage collection.
 
     Args:
         wait: called with the model after `fit()` returns, inside the timed
             region, to wait for work that `fit()` leaves running (JAX
             dispatches asynchronously).
+        callbacks: passed to `fit()`.
     """
     with no_collection():
         start = time.perf_counter()
-        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        model.fit(
+            x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=callbacks
+        )
         if wait is not None:
             wait(model)
         return time.perf_counter() - start
@@ -55,24 +58,29 @@ def median_interval(values, resamples=2000, seed=0):
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def interleave(configs, baseline, x, y, batch, rounds, wait=None):
+def interleave(configs, baseline, x, y, batch, rounds, wait=None, callbacks=None):
     """Times `configs` (name: model) epoch by epoch in rotating order.
 
-    `wait` is passed to `epoch_seconds`.
+    `wait` is passed to `epoch_seconds`; `callbacks` (name: list of
+    callbacks, for some of the names) to the `fit()` of those names.
 
     Returns:
         name: median epoch seconds, median ratio to `baseline` with its 95%
         bootstrap interval, the fixed cost per step against it in
         microseconds, and each round's seconds.
     """
-    for model in configs.values():
-        epoch_seconds(model, x, y, batch, wait)  # warm-up: tracing and building
+    callbacks = callbacks or {}
+    for name, model in configs.items():
+        # warm-up: tracing and building
+        epoch_seconds(model, x, y, batch, wait, callbacks.get(name))
     names = list(configs)
     times = {name: [] for name in names}
     for round_ in range(rounds):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(epoch_seconds(configs[name], x, y, batch, wait))
+            times[name].append(
+                epoch_seconds(configs[name], x, y, batch, wait, callbacks.get(name))
+            )
     steps = -(-len(x) // batch)
     base = statistics.median(times[baseline])
     return {

@@ -1,0 +1,456 @@
+"""Exactness and speed of SafeDistributedModel against stock Keras on one JAX device.
+
+Meant for one GPU in an environment with jax (CUDA), keras and tensorboard and
+no TensorFlow; runs on a CPU too. For an MLP 64-256-256-10, a convnet (three
+convolutions, global pooling) and a transformer block (token embedding,
+multi-head self-attention, layer norms, feed-forward, pooled classifier),
+against stock `keras.Model` on the same device:
+
+1. Exactness: `||w_safe - w_ref|| / ||w_ref||` over all trainable weights after
+   a few epochs, from the same initial weights and data order, where the
+   reference is stock Keras at one batch of B per update and the safe model
+   trains with `gradient_accumulation_steps=1` at batch B and with 4 at
+   micro-batches of B/4; SGD and Adam (Adam at "highest" only with
+   --quick), at JAX's default matmul precision and at "highest"
+   (`jax.default_matmul_precision` around construction, compile and fit; the
+   StableHLO of every module compiled meanwhile is scanned to count the
+   matrix products and convolutions that carry HIGHEST: all of them at
+   "highest", none at the default).
+2. Stock's floor: stock Keras's gradient of one batch of B against the
+   sample-weighted sum of the gradients of its 4 micro-batches, at the same
+   weights (`jax.grad` over `stateless_call` and the compiled loss): the
+   rounding any re-split of a batch causes, which accumulation cannot beat.
+3. Speed: safe (`gradient_accumulation_steps=1`) against stock, epoch time,
+   interleaved rounds after a warm-up epoch each, each epoch waited for on the
+   device; the median of the rounds' ratios with a 95% bootstrap interval,
+   and the difference of the median epochs per step.
+4. `NaNOnsetDetector()` on a healthy run: safe with it against safe without
+   (MLP and convnet).
+
+Synthetic data only (NumPy's generator); nothing is downloaded. One device,
+no `keras.distribution`. Prints a table; `--json PATH` writes the figures as
+strict JSON. Imports jax, keras, numpy, keras_safe_dist and the standard
+library only, and says at the end whether `tensorflow` was imported: it exits
+with status 1 if it was, unless `--allow-tensorflow` is given (needed while
+`import keras_safe_dist` imports TensorFlow).
+
+Usage, from the repository root:
+    CPU, about 2 minutes on a 2-core VM (smaller models, fewer steps):
+        PYTHONPATH=. python3 benchmarks/gpu_check.py --quick [--allow-tensorflow]
+    GPU (a few minutes, mostly compilation), with the keras wheel carried along
+    (a pure-Python wheel, importable from the zip itself):
+        PYTHONPATH=.:keras-3.15.1-py3-none-any.whl \\
+            python3 benchmarks/gpu_check.py --json "$OUT/gpu_check.json"
+    or after `python3 -m pip install --no-deps keras-3.15.1-py3-none-any.whl`:
+        PYTHONPATH=. python3 benchmarks/gpu_check.py --json "$OUT/gpu_check.json"
+    Options: --models mlp,convnet,transformer  --rounds N  --quick  --json PATH
+"""
+
+import argparse
+import contextlib
+import glob
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_safe_dist  # noqa: E402
+from keras_safe_dist import SafeDistributedModel  # noqa: E402
+from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
+
+from _timing import interleave  # noqa: E402
+
+MODELS = ("mlp", "convnet", "transformer")
+PRECISIONS = ("default", "highest")
+PARTS = 4  # micro-batches per update in the accumulated run
+EXACT_BATCH = 256
+# (optimizer, precision) of the exactness runs, (full, quick): each run
+# compiles three train steps, most of a --quick run's time on a CPU.
+EXACT_RUNS = (
+    (("sgd", "default"), ("sgd", "highest"), ("adam", "default"), ("adam", "highest")),
+    (("sgd", "default"), ("sgd", "highest"), ("adam", "highest")),
+)
+# (full, quick)
+EXACT_EPOCHS = (3, 2)
+UPDATES_PER_EPOCH = (8, 4)
+ROUNDS = (21, 3)
+# model: (full, quick) sizes and speed settings
+SIZES = {
+    "mlp": ({"features": 64, "width": 256}, {"features": 64, "width": 256}),
+    "convnet": (
+        {"side": 28, "channels": 1, "filters": (32, 64, 64)},
+        {"side": 16, "channels": 1, "filters": (8, 16, 16)},
+    ),
+    "transformer": (
+        {"vocab": 8000, "length": 64, "dim": 256, "heads": 4, "hidden": 512},
+        {"vocab": 1000, "length": 16, "dim": 64, "heads": 4, "hidden": 128},
+    ),
+}
+SPEED = {  # model: (batch, steps an epoch full, quick)
+    "mlp": (64, 100, 20),
+    "convnet": (256, 40, 4),
+    "transformer": (64, 50, 10),
+}
+DETECTOR_MODELS = ("mlp", "convnet")
+
+
+def describe(model, size):
+    if model == "mlp":
+        return f"MLP {size['features']}-{size['width']}-{size['width']}-10"
+    if model == "convnet":
+        filters = "-".join(str(f) for f in size["filters"])
+        return f"convnet {size['side']}x{size['side']}x{size['channels']}, {filters}"
+    return (
+        f"transformer {size['vocab']}x{size['dim']}, length {size['length']}, "
+        f"{size['heads']} heads"
+    )
+
+
+def build(model, size, model_class, optimizer, **options):
+    """One of `MODELS`, compiled with `optimizer` ("sgd" or "adam")."""
+    if model == "mlp":
+        inputs = keras.Input((size["features"],))
+        hidden = keras.layers.Dense(size["width"], activation="relu")(inputs)
+        hidden = keras.layers.Dense(size["width"], activation="relu")(hidden)
+    elif model == "convnet":
+        inputs = keras.Input((size["side"], size["side"], size["channels"]))
+        hidden = inputs
+        for filters in size["filters"]:
+            hidden = keras.layers.Conv2D(filters, 3, activation="relu")(hidden)
+        hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    else:
+        inputs = keras.Input((size["length"],), dtype="int32")
+        tokens = keras.layers.Embedding(size["vocab"], size["dim"])(inputs)
+        attention = keras.layers.MultiHeadAttention(
+            size["heads"], size["dim"] // size["heads"]
+        )(tokens, tokens)
+        hidden = keras.layers.LayerNormalization()(tokens + attention)
+        forward = keras.layers.Dense(size["hidden"], activation="relu")(hidden)
+        forward = keras.layers.Dense(size["dim"])(forward)
+        hidden = keras.layers.LayerNormalization()(hidden + forward)
+        hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    result = model_class(inputs, keras.layers.Dense(10)(hidden), **options)
+    result.compile(
+        optimizer=keras.optimizers.SGD(0.05) if optimizer == "sgd" else keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    return result
+
+
+def data(model, size, samples, seed=0):
+    rng = np.random.default_rng(seed)
+    if model == "mlp":
+        x = rng.normal(size=(samples, size["features"])).astype("float32")
+    elif model == "convnet":
+        shape = (samples, size["side"], size["side"], size["channels"])
+        x = rng.normal(size=shape).astype("float32")
+    else:
+        x = rng.integers(0, size["vocab"], size=(samples, size["length"])).astype("int32")
+    return x, rng.integers(0, 10, size=samples).astype("int32")
+
+
+def initial_weights(model, size):
+    """The same initial weights in every run: Keras's initializers draw their
+    seeds from Python's `random` (`keras.utils.set_random_seed` would import
+    TensorFlow where it is installed)."""
+    random.seed(0)
+    return build(model, size, keras.Model, "sgd").get_weights()
+
+
+def precision_scope(precision):
+    if precision == "default":
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(precision)
+
+
+@contextlib.contextmanager
+def traced_precision(counts):
+    """Counts the matrix products and convolutions in every module JAX compiles
+    inside, and those at HIGHEST precision, into `counts` (from the StableHLO
+    that `jax_dump_ir_to` writes)."""
+    directory = tempfile.mkdtemp(prefix="gpu_check_ir_")
+    jax.config.update("jax_dump_ir_to", directory)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_dump_ir_to", "")
+        for path in glob.glob(os.path.join(directory, "**", "*.mlir"), recursive=True):
+            with open(path) as file:
+                for line in file:
+                    if "stablehlo.dot_general" in line or "stablehlo.convolution" in line:
+                        counts["ops"] += 1
+                        counts["highest"] += "HIGHEST" in line
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def flat(arrays):
+    return np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays])
+
+
+def relative(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def exactness(model, size, weights, x, y, optimizer, precision, epochs):
+    """Relative weight difference to stock at batch B, for accumulation 1 and `PARTS`."""
+    results = {}
+    with precision_scope(precision):
+        reference = build(model, size, keras.Model, optimizer)
+        reference.set_weights(weights)
+        reference.fit(x, y, batch_size=EXACT_BATCH, epochs=epochs, verbose=0, shuffle=False)
+        expected = flat(v.value for v in reference.trainable_variables)
+        for steps in (1, PARTS):
+            safe = build(
+                model, size, SafeDistributedModel, optimizer, gradient_accumulation_steps=steps
+            )
+            safe.set_weights(weights)
+            safe.fit(x, y, batch_size=EXACT_BATCH // steps, epochs=epochs, verbose=0, shuffle=False)
+            received = flat(v.value for v in safe.trainable_variables)
+            results[f"accumulation_{steps}"] = relative(received, expected)
+    return results
+
+
+def stock_floor(model, size, weights, x, y, precision):
+    """Stock's gradient of one batch of B against the sample-weighted sum of its
+    `PARTS` micro-batch gradients, relative norm of the difference."""
+    with precision_scope(precision):
+        stock = build(model, size, keras.Model, "sgd")
+        stock.set_weights(weights)
+
+        def loss(trainable, non_trainable, metrics, x, y):
+            y_pred, non_trainable = stock.stateless_call(trainable, non_trainable, x, training=True)
+            value, _ = stock.stateless_compute_loss(
+                trainable, non_trainable, metrics, x=x, y=y, y_pred=y_pred, training=True
+            )
+            return value
+
+        gradient = jax.jit(jax.grad(loss))
+        state = [
+            [v.value for v in variables]
+            for variables in (
+                stock.trainable_variables,
+                stock.non_trainable_variables,
+                stock.metrics_variables,
+            )
+        ]
+        whole = flat(gradient(*state, x[:EXACT_BATCH], y[:EXACT_BATCH]))
+        micro = EXACT_BATCH // PARTS
+        summed = sum(
+            (micro / EXACT_BATCH) * flat(gradient(*state, x[i : i + micro], y[i : i + micro]))
+            for i in range(0, EXACT_BATCH, micro)
+        )
+    return relative(summed, whole)
+
+
+def wait(model):
+    """Waits for the steps `fit()` leaves running, inside the timed epoch."""
+    jax.block_until_ready([variable.value for variable in model.variables])
+
+
+def timing(configs, x, y, batch, rounds, callbacks=None):
+    timed = interleave(configs, "baseline", x, y, batch, rounds, wait=wait, callbacks=callbacks)
+    base, other = timed["baseline"], timed["other"]
+    return {
+        "batch": batch,
+        "steps": other["steps"],
+        "rounds": rounds,
+        "baseline_epoch_ms": 1e3 * base["median_epoch_s"],
+        "epoch_ms": 1e3 * other["median_epoch_s"],
+        "ratio": other["median_ratio"],
+        "ratio_interval": list(other["ratio_interval"]),
+        "per_step_us": other["per_step_us"],
+    }
+
+
+def check(model, quick, rounds):
+    start = time.perf_counter()
+    size = SIZES[model][quick]
+    weights = initial_weights(model, size)
+    epochs = EXACT_EPOCHS[quick]
+    x, y = data(model, size, EXACT_BATCH * UPDATES_PER_EPOCH[quick])
+    result = {"name": describe(model, size), "exactness": {}, "floor": {}, "traced": {}}
+    for optimizer, precision in EXACT_RUNS[quick]:
+        counts = result["traced"].setdefault(precision, {"ops": 0, "highest": 0})
+        with traced_precision(counts):
+            result["exactness"].setdefault(optimizer, {})[precision] = exactness(
+                model, size, weights, x, y, optimizer, precision, epochs
+            )
+    for precision in PRECISIONS:
+        result["floor"][precision] = stock_floor(model, size, weights, x, y, precision)
+    result["exactness_seconds"] = time.perf_counter() - start
+
+    batch, full_steps, quick_steps = SPEED[model]
+    x, y = data(model, size, batch * (quick_steps if quick else full_steps), seed=1)
+    models = {
+        "stock": build(model, size, keras.Model, "sgd"),
+        "safe": build(model, size, SafeDistributedModel, "sgd"),
+    }
+    for each in models.values():
+        each.set_weights(weights)
+    result["speed"] = timing(
+        {"baseline": models["stock"], "other": models["safe"]}, x, y, batch, rounds
+    )
+    if model in DETECTOR_MODELS:
+        detector = NaNOnsetDetector()
+        models["safe, detector"] = build(model, size, SafeDistributedModel, "sgd")
+        models["safe, detector"].set_weights(weights)
+        result["detector"] = timing(
+            {"baseline": models["safe"], "other": models["safe, detector"]},
+            x,
+            y,
+            batch,
+            rounds,
+            callbacks={"other": [detector]},
+        )
+        result["detector"]["onset_reported"] = detector.report is not None
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def finite(value):
+    """`value` with non-finite floats as None, for strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(item) for item in value]
+    return value
+
+
+def write_json(path, report):
+    text = json.dumps(finite(report), indent=1, allow_nan=False)
+    partial = f"{path}.partial"
+    with open(partial, "w") as file:
+        file.write(text + "\n")
+    os.replace(partial, path)  # whole or not at all
+
+
+def table(report):
+    device = report["device"]
+    lines = [
+        f"device: {device['kind']} ({device['platform']}), {device['count']} device(s); "
+        f"jax {report['versions']['jax']}, keras {report['versions']['keras']}"
+        + ("; --quick" if report["quick"] else ""),
+        "",
+        f"exactness: ||w_safe - w_stock|| / ||w_stock|| after {report['exact_epochs']} epochs "
+        f"of {report['updates_per_epoch']} updates; stock at batch {EXACT_BATCH}; "
+        f"floor: stock's gradient, {EXACT_BATCH} vs {PARTS}x{EXACT_BATCH // PARTS}",
+        f"{'model':<44} {'precision':<9} {'SGD k=1':>9} {'SGD k=4':>9} "
+        f"{'Adam k=1':>9} {'Adam k=4':>9} {'floor':>9} {'HIGHEST ops':>12}",
+        "(k: gradient_accumulation_steps; HIGHEST ops: matrix products and convolutions "
+        "compiled at HIGHEST / all compiled in those runs)",
+    ]
+    for result in report["models"].values():
+        for precision in PRECISIONS:
+            cells = [
+                result["exactness"].get(optimizer, {}).get(precision, {}).get(f"accumulation_{k}")
+                for optimizer in ("sgd", "adam")
+                for k in (1, PARTS)
+            ]
+            traced = result["traced"][precision]
+            lines.append(
+                f"{result['name']:<44} {precision:<9} "
+                + " ".join(f"{'-':>9}" if cell is None else f"{cell:>9.2e}" for cell in cells)
+                + f" {result['floor'][precision]:>9.2e}"
+                + f" {str(traced['highest']) + '/' + str(traced['ops']):>12}"
+            )
+    lines += [
+        "",
+        "speed: epoch-time ratio, median of interleaved rounds (95% interval); per step: "
+        "difference of the median epochs",
+        f"{'model':<44} {'compared':<22} {'batch':>5} {'steps':>5} {'rounds':>6} "
+        f"{'base ms':>8} {'ms':>8} {'ratio':>6} {'interval':>13} {'per step':>9}",
+    ]
+    for result in report["models"].values():
+        for key, label in (("speed", "safe / stock"), ("detector", "detector / safe")):
+            if key not in result:
+                continue
+            row = result[key]
+            low, high = row["ratio_interval"]
+            lines.append(
+                f"{result['name']:<44} {label:<22} {row['batch']:>5} {row['steps']:>5} "
+                f"{row['rounds']:>6} {row['baseline_epoch_ms']:>8.1f} {row['epoch_ms']:>8.1f} "
+                f"{row['ratio']:>6.3f} {f'{low:.3f}-{high:.3f}':>13} "
+                f"{row['per_step_us']:>+7.0f}µs"
+            )
+    lines += ["", f"tensorflow imported: {report['tensorflow_imported']}"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--quick", action="store_true", help="smaller models, fewer steps")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (21; quick: 3)")
+    parser.add_argument("--json", metavar="PATH", help="write the figures there as JSON")
+    parser.add_argument(
+        "--allow-tensorflow",
+        action="store_true",
+        help="exit with status 0 even if tensorflow was imported",
+    )
+    args = parser.parse_args(argv)
+    models = [name.strip() for name in args.models.split(",") if name.strip()]
+    unknown = [name for name in models if name not in MODELS]
+    if unknown or not models:
+        parser.error(
+            f"--models takes a comma-separated list of {', '.join(MODELS)}. "
+            f"Received: {args.models!r}"
+        )
+    rounds = args.rounds if args.rounds is not None else ROUNDS[args.quick]
+    if rounds < 1:
+        parser.error(f"--rounds must be an integer >= 1. Received: {rounds}")
+
+    start = time.perf_counter()
+    device = jax.devices()[0]
+    report = {
+        "device": {
+            "kind": device.device_kind,
+            "platform": device.platform,
+            "count": len(jax.devices()),
+        },
+        "versions": {
+            "jax": jax.__version__,
+            "keras": keras.__version__,
+            "keras_safe_dist": keras_safe_dist.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
+        "quick": args.quick,
+        "exact_batch": EXACT_BATCH,
+        "micro_batches": PARTS,
+        "exact_epochs": EXACT_EPOCHS[args.quick],
+        "updates_per_epoch": UPDATES_PER_EPOCH[args.quick],
+        "models": {name: check(name, args.quick, rounds) for name in models},
+    }
+    report["seconds"] = time.perf_counter() - start
+    report["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    report["tensorflow_imported"] = "tensorflow" in sys.modules
+    print(table(report))
+    load = report["load_average"]
+    print(f"({report['seconds']:.0f} s" + (f", load average {load[0]:.1f})" if load else ")"))
+    if args.json:
+        write_json(args.json, report)
+    if report["tensorflow_imported"] and not args.allow_tensorflow:
+        sys.exit(
+            "tensorflow was imported (expected: not, this check runs without TensorFlow). "
+            "It comes from `import keras_safe_dist` while the package imports TensorFlow at "
+            "module level; pass --allow-tensorflow to accept that."
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""benchmarks/gpu_check.py --quick on one CPU device, in a process of its own.
+
+The script fixes its backend and devices at import, so it runs in a
+subprocess with a clean environment: without the two-device XLA flag that
+conftest.py sets for this process, so on one CPU device.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _strict(constant):
+    raise ValueError(f"non-finite number in the JSON: {constant}")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu_check") / "report.json"
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gpu_check.py"),
+        "--quick",
+        "--models",
+        "mlp",
+        "--json",
+        str(path),
+        # `import keras_safe_dist` still imports TensorFlow; the field is checked below.
+        "--allow-tensorflow",
+    ]
+    # About 16 s on the idle 2-core VM, 30 s while other tests run beside it.
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "tensorflow imported:" in done.stdout, done.stdout[-2000:]
+    return json.loads(path.read_text(), parse_constant=_strict)
+
+
+def test_runs_on_one_cpu_device_and_reports_versions(report):
+    assert report["device"] == {"kind": "cpu", "platform": "cpu", "count": 1}
+    assert report["versions"]["jax"] and report["versions"]["keras"]
+    assert report["quick"] is True
+    assert list(report["models"]) == ["mlp"]
+    assert report["models"]["mlp"]["name"] == "MLP 64-256-256-10"
+
+
+def test_safe_model_matches_stock_at_highest_precision(report):
+    # Measured on the 2-core VM: 0 for k=1, 1.2e-8 (SGD) and 3.0e-8 (Adam) for k=4.
+    exactness = report["models"]["mlp"]["exactness"]
+    for optimizer in ("sgd", "adam"):
+        for key in ("accumulation_1", "accumulation_4"):
+            assert 0 <= exactness[optimizer]["highest"][key] <= 1e-7, (optimizer, key)
+    assert 0 <= exactness["sgd"]["default"]["accumulation_4"] <= 1e-7
+
+
+def test_highest_precision_reaches_every_compiled_product(report):
+    traced = report["models"]["mlp"]["traced"]
+    assert traced["highest"]["ops"] > 0
+    assert traced["highest"]["highest"] == traced["highest"]["ops"]
+    assert traced["default"]["ops"] > 0
+    assert traced["default"]["highest"] == 0
+
+
+def test_stock_floor_is_a_small_finite_number(report):
+    # Measured: 1.9e-7 at both precisions (the CPU ignores the setting).
+    for precision in ("default", "highest"):
+        floor = report["models"]["mlp"]["floor"][precision]
+        assert math.isfinite(floor) and 0 < floor <= 1e-5, (precision, floor)
+
+
+def test_speed_ratios_are_positive_and_finite(report):
+    for key in ("speed", "detector"):
+        row = report["models"]["mlp"][key]
+        low, high = row["ratio_interval"]
+        assert 0 < low <= row["ratio"] <= high < math.inf, (key, row)
+        assert math.isfinite(row["per_step_us"]), (key, row)
+        assert row["baseline_epoch_ms"] > 0 and row["epoch_ms"] > 0, (key, row)
+        assert (row["batch"], row["steps"], row["rounds"]) == (64, 20, 3), (key, row)
+    assert report["models"]["mlp"]["detector"]["onset_reported"] is False
+
+
+def test_reports_whether_tensorflow_was_imported(report):
+    # True until `import keras_safe_dist` stops importing TensorFlow.
+    assert isinstance(report["tensorflow_imported"], bool)
