@@ -10,6 +10,7 @@ does where TensorFlow is not installed, so a test that reaches TensorFlow
 fails here even on a machine that has it (subprocesses are not blocked).
 """
 
+import importlib.util
 import os
 import sys
 
@@ -24,6 +25,8 @@ class _NoTensorFlow:
 
 
 assert "tensorflow" not in sys.modules, "tests_jax must start in a process without TensorFlow"
+# Whether subprocesses can run TensorFlow's backend (this process cannot).
+TENSORFLOW_INSTALLED = importlib.util.find_spec("tensorflow") is not None
 sys.meta_path.insert(0, _NoTensorFlow())
 
 os.environ["KERAS_BACKEND"] = "jax"
@@ -36,6 +39,10 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+needs_tensorflow = pytest.mark.skipif(
+    not TENSORFLOW_INSTALLED, reason="runs TensorFlow's backend in a subprocess; TensorFlow is not installed"
+)
 
 assert keras.backend.backend() == "jax", keras.backend.backend()
 assert len(jax.devices()) == 2, jax.devices()
