@@ -7,12 +7,14 @@ device. Sizes scale with the number of replicas so that every probe splits
 its batches the way it means to on any replica count.
 """
 
-import contextlib
-import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_safe_dist.doctor._shared import data
+from keras_safe_dist.doctor._shared import quiet
+from keras_safe_dist.doctor._shared import sgd
 
 __all__ = [
     "SEED",
@@ -26,15 +28,6 @@ __all__ = [
 ]
 
 SEED = 7
-LEARNING_RATE = 0.1
-
-
-def data(samples, seed=0):
-    """`samples` rows of 4 features and a linear target far from the initial fit."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(samples, 4)).astype("float32")
-    y = (x @ rng.normal(size=(4, 1)) * 10.0 + 3.0).astype("float32")
-    return x, y
 
 
 def mlp(cls, strategy, optimizer=None, weights=None, **options):
@@ -60,11 +53,6 @@ def mlp(cls, strategy, optimizer=None, weights=None, **options):
     return model
 
 
-def sgd(**options):
-    """Plain SGD with the probes' learning rate and `options`."""
-    return keras.optimizers.SGD(LEARNING_RATE, **options)
-
-
 def one_device():
     """TensorFlow's default strategy: stock Keras on one device."""
     return tf.distribute.get_strategy()
@@ -88,14 +76,6 @@ def update(model, x, y, batch_size, from_batch=0):
 def relative_deviation(expected, actual):
     """`||actual - expected|| / ||expected||`."""
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-12))
-
-
-@contextlib.contextmanager
-def quiet():
-    """Silences Keras's Python warnings (e.g. a model without trainable weights)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 class _WeightsAfter(keras.callbacks.Callback):

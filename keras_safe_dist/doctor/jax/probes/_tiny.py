@@ -12,9 +12,9 @@ import keras
 import numpy as np
 
 # The same data, optimizer and quieting as the TensorFlow probes.
-from keras_safe_dist.doctor.probes._tiny import data
-from keras_safe_dist.doctor.probes._tiny import quiet
-from keras_safe_dist.doctor.probes._tiny import sgd
+from keras_safe_dist.doctor._shared import data
+from keras_safe_dist.doctor._shared import quiet
+from keras_safe_dist.doctor._shared import sgd
 
 __all__ = [
     "SEED",

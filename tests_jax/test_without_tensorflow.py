@@ -1,0 +1,160 @@
+"""A JAX user has jax, keras and tensorboard, not TensorFlow: everything works without it.
+
+In this process `import tensorflow` raises (tests_jax/conftest.py), whether or
+not TensorFlow is installed; CI also runs tests_jax in an environment that has
+no TensorFlow at all. Commands run in subprocesses get the same refusal from a
+`sitecustomize` module put first on their path.
+"""
+
+import importlib
+import os
+import pathlib
+import pkgutil
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import keras_safe_dist
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist import callbacks
+from keras_safe_dist.report import read_log_dir
+
+from conftest import regression_data
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# TensorFlow's own modules: its step and its doctor, which a JAX user never imports.
+TENSORFLOW_ONLY = (
+    "keras_safe_dist.backend.tensorflow",
+    "keras_safe_dist.doctor.probes",
+    "keras_safe_dist.doctor.runner",
+)
+REFUSE_TENSORFLOW = textwrap.dedent(
+    """
+    import sys
+
+    class _NoTensorFlow:
+        def find_spec(self, name, path=None, target=None):
+            if name == "tensorflow" or name.startswith("tensorflow."):
+                raise ModuleNotFoundError(f"No module named {name!r}")
+            return None
+
+    sys.meta_path.insert(0, _NoTensorFlow())
+    """
+)
+
+
+def _package_modules():
+    for module in pkgutil.walk_packages(keras_safe_dist.__path__, "keras_safe_dist."):
+        if not module.name.startswith(TENSORFLOW_ONLY) and not module.name.endswith("__main__"):
+            yield module.name
+
+
+def test_every_module_but_tensorflows_own_imports_without_tensorflow():
+    names = list(_package_modules())
+    for name in names:
+        importlib.import_module(name)
+    assert "tensorflow" not in sys.modules
+    # The walk saw the package: the model, the callbacks, JAX's step, the CLI.
+    assert len(names) > 50
+    assert {"keras_safe_dist.backend.jax.trainer", "keras_safe_dist.cli"} <= set(names)
+
+
+def test_tensorflows_own_modules_are_refused_here():
+    # The refusal the test above relies on is in force.
+    with pytest.raises(ModuleNotFoundError, match="tensorflow"):
+        importlib.import_module("keras_safe_dist.backend.tensorflow.trainer")
+
+
+def _model():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    model = SafeDistributedModel(
+        inputs, keras.layers.Dense(1)(hidden), gradient_accumulation_steps=2, global_clipnorm=1.0
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def test_every_callback_and_audit_runs_and_writes_without_tensorflow(tmp_path, devices):
+    x, y, _ = regression_data(40)
+    model = _model()
+    log_dir = str(tmp_path / "logs")
+    every = [
+        callbacks.Dashboard(log_dir),
+        callbacks.NaNOnsetDetector(log_dir=log_dir),
+        callbacks.ScopeAudit(log_dir=log_dir),
+        callbacks.AggregationAudit(log_dir=log_dir),
+        callbacks.TrainingModeAudit(log_dir=log_dir),
+        callbacks.MultiWorkerBackupAndRestore(str(tmp_path / "backup")),
+    ]
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=every)
+    assert len(history.history["loss"]) == 2
+    assert keras_safe_dist.audit(model).codes() == ("JAX001",)
+    report = read_log_dir(log_dir)
+    assert report.runs, "no run read back"
+    assert os.listdir(os.path.join(log_dir, "safe_distributed"))
+    assert "tensorflow" not in sys.modules
+
+
+def test_backup_and_restore_resumes_where_the_backup_ended(tmp_path, devices):
+    x, y, _ = regression_data(40)
+    first = _model()
+    initial = first.get_weights()
+    backup = str(tmp_path / "backup")
+    # An interrupted run: two epochs backed up, the backup kept.
+    first.fit(
+        x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+        callbacks=[callbacks.MultiWorkerBackupAndRestore(backup, delete_checkpoint=False)],
+    )
+    assert "training_metadata.json" in os.listdir(backup)
+    resumed = _model()
+    resumed.set_weights(initial)
+    history = resumed.fit(
+        x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+        callbacks=[callbacks.MultiWorkerBackupAndRestore(backup)],
+    )
+    assert history.epoch == [2]
+    uninterrupted = _model()
+    uninterrupted.set_weights(initial)
+    uninterrupted.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    for got, want in zip(resumed.get_weights(), uninterrupted.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    assert not os.path.exists(backup)  # deleted when training ended
+
+
+def _run_without_tensorflow(tmp_path, code):
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(REFUSE_TENSORFLOW)
+    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_report_and_doctor_commands_run_without_tensorflow(tmp_path):
+    log_dir = tmp_path / "logs"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import keras, numpy as np
+        from keras_safe_dist import SafeDistributedModel, callbacks, cli
+        inputs = keras.Input((2,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.ones((8, 2), "float32")
+        model.fit(x, x[:, :1], epochs=1, verbose=0, callbacks=[callbacks.Dashboard({str(log_dir)!r})])
+        report = cli.main(["report", {str(log_dir)!r}])
+        doctor = cli.main(["doctor", "--backend", "jax", "--only", "clip-before-allreduce"])
+        print("statuses", report, doctor, "tensorflow" in sys.modules)
+        """
+    )
+    done = _run_without_tensorflow(tmp_path, code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "statuses 0 0 False", done.stdout[-3000:]
+    assert "grad_norm" in done.stdout  # the report printed the run's statistics
