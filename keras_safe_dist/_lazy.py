@@ -40,7 +40,8 @@ class LazyModule:
         self._module = None
 
     def __getattr__(self, attribute):
-        if attribute.startswith("__"):  # copy, pickle and inspect probe these
+        # copy, pickle and inspect probe other dunders; a module's own are read.
+        if attribute.startswith("__") and attribute not in ("__version__", "__file__", "__path__"):
             raise AttributeError(attribute)
         if self._module is None:
             try:

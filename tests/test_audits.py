@@ -507,7 +507,7 @@ def test_audit_flags_a_stock_fit_under_multi_worker_mirrored_strategy(monkeypatc
     from keras_safe_dist.audits import stock
 
     # A MultiWorkerMirroredStrategy needs worker processes; the check reads the type.
-    monkeypatch.setattr(stock, "_MULTI_WORKER", (tf.distribute.MirroredStrategy,))
+    monkeypatch.setattr(stock, "_multi_worker", lambda s: isinstance(s, tf.distribute.MirroredStrategy))
     report = keras_safe_dist.audit(stock_sequential(mirrored_strategy(), "sgd"))
     finding = only(report.findings, "DIST005")
     assert finding.severity == "error"

@@ -23,7 +23,7 @@ def test_the_hunt_nan_paragraph_quoted_in_the_docs_is_what_the_example_prints():
 
 def test_a_drifted_quote_is_reported_with_a_diff(monkeypatch):
     quoted = next(b for b in check_quotes.text_blocks(check_quotes.NAN_DOC) if b.startswith("NaN onset"))
-    printed = check_quotes.joined(quoted).replace("0.664, nan", "0.664, 0.6523")
+    printed = check_quotes.joined(quoted).replace("0.664, 0.6523", "0.664, nan")
     monkeypatch.setattr(check_quotes, "run", lambda argv, cwd: printed + "\n\nepoch: 0\n")
     (problem,) = check_quotes.check_hunt_nan()
     assert problem.startswith("docs/nan_detector.md drifted:\n--- quoted\n+++ printed")

@@ -57,8 +57,7 @@ def stock_findings(model, strategy):
         if isinstance(candidate, keras.optimizers.Optimizer):
             findings += _optimizer_findings(candidate, replicas, where)
     findings += _loss_findings(model, where)
-    # Stock Keras's fit() crashes there (doctor: multi-worker-fit).
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    if _multi_worker(strategy):
         findings.append(
             Finding.of(
                 "DIST005",
@@ -181,3 +180,8 @@ def _loss_findings(model, where):
             "a multiple of the number of replicas.",
         )
     ]
+
+
+def _multi_worker(strategy):
+    """Whether stock Keras's fit() crashes under `strategy` (doctor: multi-worker-fit)."""
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
