@@ -1,5 +1,6 @@
 """`SafeDistributedModel`: exact gradient accumulation and clipping, under tf.distribute or keras.distribution."""
 
+import difflib
 import inspect
 import numbers
 import warnings
@@ -129,6 +130,9 @@ class SafeDistributedModel(Trainer, keras.Model):
         log_update_stats=False,
         **kwargs,
     ):
+        # The functional class is an implementation detail: name the one called.
+        called = SafeDistributedModel if type(self) is SafeDistributedFunctional else type(self)
+        _refuse_misspelled_options(called.__name__, kwargs)
         options = _validate_options(
             gradient_accumulation_steps,
             global_clipnorm,
@@ -242,7 +246,8 @@ class SafeDistributedModel(Trainer, keras.Model):
 
         Raises:
             TypeError: when `model` is not a `keras.Model`, or is a
-                subclassed model (subclass `SafeDistributedModel` instead).
+                subclassed model (subclass `SafeDistributedModel` instead);
+                for a keyword that is not an option, naming the closest.
             ValueError: for an unbuilt Sequential without `input_shape`, an
                 `input_shape` that differs from the model's, or an invalid
                 option.
@@ -260,6 +265,13 @@ class SafeDistributedModel(Trainer, keras.Model):
             model.compile(optimizer="adam", loss="mse")
         ```
         """
+        unknown = [name for name in options if name not in _OPTION_DEFAULTS]
+        if unknown:
+            raise TypeError(
+                f"{cls.__name__}.from_model() got unexpected keyword arguments {unknown}"
+                f"{_closest(unknown)}. It takes `input_shape` and the options "
+                f"{sorted(_OPTION_DEFAULTS)}."
+            )
         inputs, outputs = _model_graph(model, input_shape)
         wrapped = cls(inputs=inputs, outputs=outputs, name=model.name, **options)
         wrapped._check_placement("SafeDistributedModel.from_model()")
@@ -292,7 +304,7 @@ class SafeDistributedModel(Trainer, keras.Model):
             ScopeError: when the model, the optimizer or a metric object was
                 built outside the strategy that trains the model, or
                 `compile()` is called inside another strategy's scope.
-            ValueError: when the optimizer is None; when it carries `clipnorm`,
+            ValueError: when the optimizer carries `clipnorm`,
                 `global_clipnorm`, `clipvalue` or `gradient_accumulation_steps`;
                 or, on several replicas, for `jit_compile=True` with a layer
                 that synchronizes the replicas in its forward pass.
@@ -303,15 +315,9 @@ class SafeDistributedModel(Trainer, keras.Model):
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")  # no clipnorm here
         ```
         """
+        # `optimizer=None` is accepted, as by stock Keras, for a model that is
+        # only evaluated, predicted or summarized; training refuses it.
         optimizer = args[0] if args else kwargs.get("optimizer", "default")
-        if optimizer is None:
-            # Stock Keras accepts it, and fit() fails later with
-            # "'NoneType' object has no attribute 'built'".
-            raise ValueError(
-                "SafeDistributedModel.compile() needs an optimizer: every update "
-                "is applied with it. Received: optimizer=None. Pass an optimizer "
-                "or its name (e.g. optimizer='sgd'), or leave the default."
-            )
         if isinstance(optimizer, keras.optimizers.Optimizer):
             _check_optimizer(optimizer)
         # The backend's trainer places and compiles (keras_safe_dist/backend/).
@@ -366,7 +372,8 @@ class SafeDistributedModel(Trainer, keras.Model):
             ScopeError: when the model, the optimizer, the loss scale or a
                 metric was built outside the strategy that trains the model,
                 or `fit()` is called inside another strategy's scope.
-            ValueError: when a `tf.SparseTensor` input would leave a replica
+            ValueError: when the model was compiled with `optimizer=None`;
+                when a `tf.SparseTensor` input would leave a replica
                 an empty share of the last batch, which TensorFlow's input
                 pipeline cannot split; or when `x` holds no samples (arrays
                 of 0 rows, a dataset of cardinality 0).
@@ -377,6 +384,7 @@ class SafeDistributedModel(Trainer, keras.Model):
         history = model.fit(x, y, batch_size=32, epochs=3)  # 32 samples per micro-batch
         ```
         """
+        self._check_has_optimizer("fit")
         _check_has_samples("fit", _fit_data(args, kwargs)[0])
         self._check_fit_data(*_fit_data(args, kwargs))
         position = _FIT_CALLBACKS_POSITION
@@ -412,8 +420,19 @@ class SafeDistributedModel(Trainer, keras.Model):
         call. No callback is involved, so the update statistics are returned
         only with `log_update_stats=True`.
         """
+        self._check_has_optimizer("train_on_batch")
         self._set_requests(None)
         return super().train_on_batch(*args, **kwargs)
+
+    def _check_has_optimizer(self, where):
+        # Stock Keras fails later with "'NoneType' object has no attribute 'built'".
+        if self.compiled and self.optimizer is None:
+            raise ValueError(
+                f"SafeDistributedModel.{where}() needs an optimizer: every update is "
+                "applied with it. Received: compile(optimizer=None), which serves a "
+                "model that is only evaluated, predicted or summarized. Compile with an "
+                "optimizer or its name (e.g. optimizer='sgd') to train."
+            )
 
     def _set_requests(self, callbacks):
         """What the step adds to the logs, from the option and the callbacks."""
@@ -539,6 +558,43 @@ _OPTION_DEFAULTS = {
 _FIT_CALLBACKS_POSITION = (
     list(inspect.signature(keras.Model.fit).parameters).index("callbacks") - 1
 )
+
+
+# Keras's own constructor arguments: never taken for a misspelled option.
+_KERAS_ARGUMENTS = frozenset(inspect.signature(keras.layers.Layer.__init__).parameters) | {
+    "inputs",
+    "outputs",
+}
+
+
+def _closest(names):
+    """`" (did you mean 'x'?)"` for the first of `names` close to an option, else `""`."""
+    for name in names:
+        close = difflib.get_close_matches(name, _OPTION_DEFAULTS, n=1, cutoff=0.7)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    return ""
+
+
+def _refuse_misspelled_options(cls_name, kwargs):
+    """Raises a `TypeError` for a keyword close to an option's name.
+
+    Stock `keras.Model` accepts and ignores unknown keywords for a functional
+    model, so `gradient_accumulation=4` would train with no accumulation and
+    no word. Other unknown keywords go to Keras as they would for stock.
+    """
+    misspelled = [
+        name for name in kwargs
+        if name not in _KERAS_ARGUMENTS
+        and difflib.get_close_matches(name, _OPTION_DEFAULTS, n=1, cutoff=0.7)
+    ]
+    if misspelled:
+        raise TypeError(
+            f"{cls_name} got unexpected keyword arguments {misspelled}{_closest(misspelled)}: "
+            f"they are not options, and would be ignored. The options are "
+            f"{sorted(_OPTION_DEFAULTS)}. Received: "
+            + ", ".join(f"{name}={kwargs[name]!r}" for name in misspelled)
+        )
 
 
 def _validate_options(

@@ -420,16 +420,24 @@ def test_clone_model_keeps_every_option_and_trains_alike(build):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-def test_compile_without_an_optimizer_is_refused_at_compile():
+def test_compile_without_an_optimizer_serves_evaluate_and_predict_and_refuses_training():
+    x, y, _ = regression_data(8)
     model = functional()
-    with pytest.raises(ValueError) as error:
-        model.compile(optimizer=None, loss="mse")
-    assert str(error.value) == (
-        "SafeDistributedModel.compile() needs an optimizer: every update is applied with it. "
-        "Received: optimizer=None. Pass an optimizer or its name (e.g. optimizer='sgd'), "
-        "or leave the default."
-    )
-    assert not model.compiled
+    model.compile(optimizer=None, loss="mse")  # as stock Keras: evaluate, predict, summary
+    stock = keras.Model(model.inputs, model.outputs)
+    stock.compile(optimizer=None, loss="mse")
+    assert model.compiled and model.optimizer is None
+    assert model.evaluate(x, y, verbose=0) == pytest.approx(stock.evaluate(x, y, verbose=0))
+    np.testing.assert_array_equal(model.predict(x, verbose=0), stock.predict(x, verbose=0))
+    before = model.get_weights()
+    for train in (lambda: model.fit(x, y, verbose=0), lambda: model.train_on_batch(x, y)):
+        with pytest.raises(ValueError) as error:
+            train()
+        assert "needs an optimizer: every update is applied with it. Received: " in str(error.value)
+        assert "compile(optimizer=None)" in str(error.value)
+    assert str(error.value).startswith("SafeDistributedModel.train_on_batch() needs an optimizer")
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("steps", [1, 2])
@@ -454,3 +462,53 @@ def test_fit_and_evaluate_on_data_without_samples_raise(steps, data):
         )
         assert f"Received: {received}" in message
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize(
+    "given, meant",
+    [
+        ("gradient_accumulation", "gradient_accumulation_steps"),
+        ("accumulation_steps", "gradient_accumulation_steps"),
+        ("clip_norm", "clipnorm"),
+        ("global_clip_norm", "global_clipnorm"),
+        ("clip_value", "clipvalue"),
+    ],
+)
+def test_a_misspelled_option_is_refused_naming_the_closest(given, meant):
+    inputs = keras.Input((3,))
+    with pytest.raises(TypeError) as error:
+        SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs), **{given: 4})
+    message = str(error.value)
+    assert f"SafeDistributedModel got unexpected keyword arguments [{given!r}]" in message
+    assert f"(did you mean {meant!r}?)" in message
+    assert f"Received: {given}=4" in message
+
+
+def test_a_misspelled_option_of_a_subclass_is_refused_before_keras_sees_it():
+    class Net(SafeDistributedModel):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match=r"Net got unexpected keyword arguments \['clip_norm'\] \(did you mean 'clipnorm'\?\)"):
+        Net(clip_norm=1.0)
+
+
+def test_keras_arguments_and_unrelated_keywords_pass_as_for_stock_keras():
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(1)(inputs)
+    stock = keras.Model(inputs, outputs, name="net", unrelated=1)  # stock ignores it
+    model = SafeDistributedModel(inputs, outputs, name="net", trainable=True, unrelated=1)
+    assert (model.name, model.gradient_accumulation_steps) == (stock.name, 1)
+
+
+def test_from_model_refuses_a_keyword_that_is_not_an_option():
+    sequential = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(TypeError) as error:
+        SafeDistributedModel.from_model(sequential, gradient_accumulation=4)
+    assert str(error.value).startswith(
+        "SafeDistributedModel.from_model() got unexpected keyword arguments "
+        "['gradient_accumulation'] (did you mean 'gradient_accumulation_steps'?). "
+        "It takes `input_shape` and the options ['clipnorm', 'clipvalue', "
+    )
+    with pytest.raises(TypeError, match=r"\['seed'\]\. It takes"):
+        SafeDistributedModel.from_model(sequential, seed=1)
