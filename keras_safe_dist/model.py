@@ -413,6 +413,24 @@ class SafeDistributedModel(Trainer, keras.Model):
         _check_has_samples("evaluate", _fit_data(args, kwargs)[0])
         return super().evaluate(*args, **kwargs)
 
+    def predict(self, *args, **kwargs):
+        """Same as `keras.Model.predict`, refusing data that holds no samples.
+
+        Args:
+            *args: the arguments of `keras.Model.predict`.
+            **kwargs: the arguments of `keras.Model.predict`.
+
+        Returns:
+            What `keras.Model.predict` returns.
+
+        Raises:
+            ValueError: when `x` holds no samples (arrays of 0 rows, a
+                dataset of cardinality 0), where stock Keras fails with an
+                `UnboundLocalError` ('batch_outputs').
+        """
+        _check_has_samples("predict", _fit_data(args, kwargs)[0])
+        return super().predict(*args, **kwargs)
+
     def train_on_batch(self, *args, **kwargs):
         """Same as `keras.Model.train_on_batch`: one micro-batch, stock log keys.
 
@@ -738,8 +756,9 @@ def _fit_data(args, kwargs):
 def _check_has_samples(method, x):
     """Raises when `x` is known, before any step, to hold no samples.
 
-    Stock Keras runs no step and returns an empty History (or list) then.
-    Datasets of unknown length and generators are not read ahead.
+    Stock Keras runs no step and returns an empty History (or list) then,
+    or fails in `predict()`. Datasets of unknown length and generators are
+    not read ahead.
     """
     # A tf.data.Dataset only where TensorFlow was imported (a JAX user has none).
     if _lazy.loaded("tensorflow") and isinstance(x, _lazy.tensorflow.data.Dataset):
@@ -754,10 +773,14 @@ def _check_has_samples(method, x):
         if not shapes or shapes[0][0] != 0:
             return
         received = f"x of shape {shapes[0]}"
+    purpose = {"fit": "train on", "evaluate": "evaluate", "predict": "predict"}[method]
+    stock = (
+        "fails with an UnboundLocalError" if method == "predict"
+        else "runs no step and returns an empty result"
+    )
     raise ValueError(
         f"SafeDistributedModel.{method}() received data that holds no samples, so "
-        f"there is nothing to {'train on' if method == 'fit' else 'evaluate'} "
-        f"(stock Keras runs no step and returns an empty result). Received: "
+        f"there is nothing to {purpose} (stock Keras {stock}). Received: "
         f"{received}. Pass data with at least one sample."
     )
 

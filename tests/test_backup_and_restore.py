@@ -100,6 +100,13 @@ def _damage(directory, how):
     if how == "metadata nested":
         metadata.write_text("[" * 100000 + "]" * 100000)
         return "training_metadata.json is not readable JSON"
+    if how == "epoch edited":
+        data = json.loads(metadata.read_text())
+        metadata.write_text(json.dumps(dict(data, epoch=2)))  # one epoch backed up
+        return (
+            "training_metadata.json says 2 epochs are done but names epoch_1.weights.h5, which "
+            "this callback writes after 1 epochs: it was edited or mixed up"
+        )
     if how == "epoch beyond epochs":
         data = json.loads(metadata.read_text())
         metadata.write_text(json.dumps(dict(data, epoch=99)))
@@ -109,7 +116,8 @@ def _damage(directory, how):
 
 @pytest.mark.parametrize("how", [
     "weights deleted", "metadata deleted", "weights truncated", "weights empty", "weights flipped",
-    "metadata garbage", "metadata empty object", "metadata nested", "epoch beyond epochs",
+    "metadata garbage", "metadata empty object", "metadata nested", "epoch edited",
+    "epoch beyond epochs",
 ])
 def test_a_damaged_backup_is_refused_naming_the_folder_the_file_and_the_remedy(backup, how):
     directory, _ = backup

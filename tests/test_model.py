@@ -442,7 +442,7 @@ def test_compile_without_an_optimizer_serves_evaluate_and_predict_and_refuses_tr
 
 @pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("data", ["arrays", "take(0)"])
-def test_fit_and_evaluate_on_data_without_samples_raise(steps, data):
+def test_fit_evaluate_and_predict_on_data_without_samples_raise(steps, data):
     model = functional(gradient_accumulation_steps=steps)
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.zeros((0, 4), "float32"), np.zeros((0, 1), "float32")
@@ -452,9 +452,9 @@ def test_fit_and_evaluate_on_data_without_samples_raise(steps, data):
         x, y, _ = regression_data(8)
         args = (tf.data.Dataset.from_tensor_slices((x, y)).batch(4).take(0),)
         received = "a tf.data.Dataset of cardinality 0"
-    for method, purpose in (("fit", "train on"), ("evaluate", "evaluate")):
+    for method, purpose in (("fit", "train on"), ("evaluate", "evaluate"), ("predict", "predict")):
         with pytest.raises(ValueError) as error:
-            getattr(model, method)(*args, verbose=0)
+            getattr(model, method)(*args[:1] if method == "predict" else args, verbose=0)
         message = str(error.value)
         assert message.startswith(
             f"SafeDistributedModel.{method}() received data that holds no samples, "

@@ -545,3 +545,13 @@ def test_convnet_with_batchnorm_and_dropout_matches_one_device(devices):
     model.fit(images, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
 
     assert _relative_error(model, reference) < 1e-5
+
+
+def test_fit_evaluate_and_predict_on_zero_samples_raise(devices):
+    model = _mlp(SafeDistributedModel)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((0, 4), "float32"), np.zeros((0, 1), "float32")
+    for method, args in (("fit", (x, y)), ("evaluate", (x, y)), ("predict", (x,))):
+        with pytest.raises(ValueError, match=rf"SafeDistributedModel.{method}\(\) received data that holds no samples"):
+            getattr(model, method)(*args, verbose=0)
+    assert int(model.optimizer.iterations) == 0

@@ -169,6 +169,15 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
                 f"says {metadata['epoch']} epochs are done, more than this fit()'s "
                 f"epochs={epochs}: it is the backup of another run",
             )
+        if metadata["weights"] != _weights_name(metadata["epoch"]):
+            # Hand-edited, or put together from two backups: resuming would
+            # start at one epoch with the weights of another.
+            raise _damaged(
+                directory, METADATA_FILE,
+                f"says {metadata['epoch']} epochs are done but names "
+                f"{metadata['weights']}, which this callback writes after "
+                f"{_weights_epoch(metadata['weights'])} epochs: it was edited or mixed up",
+            )
         weights_path = os.path.join(directory, metadata["weights"])
         if not _files.exists(weights_path):
             raise _damaged(
@@ -223,6 +232,11 @@ _METADATA_LIMIT = 1 << 16
 
 def _weights_name(epoch):
     return f"epoch_{epoch}.weights.h5"
+
+
+def _weights_epoch(name):
+    """The epoch in a weights file's name (`epoch_<N>.weights.h5`)."""
+    return int(name.split("_", 1)[1].split(".", 1)[0])
 
 
 def _own_files(directory):
