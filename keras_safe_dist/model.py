@@ -227,7 +227,11 @@ class SafeDistributedModel(Trainer, keras.Model):
         same variables, so the same predictions, and training it trains
         `model`'s layers. Neither the compile state nor the optimizer is
         copied: compile the result, giving `SafeDistributedModel` the
-        clipping or accumulation the optimizer had. Call it in the scope
+        clipping or accumulation the optimizer had. A `SafeDistributedModel`
+        keeps its options, except those given (a clipping mode given
+        replaces its own). The class is not copied, so a class that
+        overrides `compute_loss`, `train_step` or `test_step` is refused:
+        mix `SafeDistributedModel` into that class instead. Call it in the scope
         of the strategy that built `model` (or will build it, for an
         unbuilt Sequential).
 
@@ -247,7 +251,9 @@ class SafeDistributedModel(Trainer, keras.Model):
         Raises:
             TypeError: when `model` is not a `keras.Model`, or is a
                 subclassed model (subclass `SafeDistributedModel` instead);
-                for a keyword that is not an option, naming the closest.
+                for a keyword that is not an option, naming the closest; for
+                a class that overrides `compute_loss`, `train_step` or
+                `test_step`.
             ValueError: for an unbuilt Sequential without `input_shape`, an
                 `input_shape` that differs from the model's, or an invalid
                 option.
@@ -272,6 +278,13 @@ class SafeDistributedModel(Trainer, keras.Model):
                 f"{_closest(unknown)}. It takes `input_shape` and the options "
                 f"{sorted(_OPTION_DEFAULTS)}."
             )
+        _refuse_overridden_steps(model)
+        if isinstance(model, SafeDistributedModel):
+            # Its options are kept unless given; a clipping mode given replaces its own.
+            kept = dict(model.__dict__.get("_safe_dist_options", _OPTION_DEFAULTS))
+            if any(options.get(name) is not None for name in _CLIPPING_OPTIONS):
+                kept.update(dict.fromkeys(_CLIPPING_OPTIONS))
+            options = {**kept, **options}
         inputs, outputs = _model_graph(model, input_shape)
         wrapped = cls(inputs=inputs, outputs=outputs, name=model.name, **options)
         wrapped._check_placement("SafeDistributedModel.from_model()")
@@ -576,6 +589,28 @@ _OPTION_DEFAULTS = {
 _FIT_CALLBACKS_POSITION = (
     list(inspect.signature(keras.Model.fit).parameters).index("callbacks") - 1
 )
+
+
+_CLIPPING_OPTIONS = ("global_clipnorm", "clipnorm", "clipvalue")
+# What a wrapped model's class could change in training that from_model() would drop.
+_STEP_METHODS = ("compute_loss", "train_step", "test_step")
+
+
+def _refuse_overridden_steps(model):
+    """Raises a `TypeError` when `model`'s own class changes the step or the loss."""
+    for klass in type(model).__mro__:
+        if klass.__module__.split(".")[0] in ("keras", "keras_safe_dist", "builtins"):
+            continue
+        overridden = [name for name in _STEP_METHODS if name in vars(klass)]
+        if overridden:
+            raise TypeError(
+                f"SafeDistributedModel.from_model() copies the layers of model "
+                f"'{model.name}', not its class, and {klass.__name__} overrides "
+                f"{', '.join(f'`{name}`' for name in overridden)}: the wrapped model would "
+                "train without it. Mix SafeDistributedModel into that class instead, "
+                f"`class Safe{klass.__name__}(SafeDistributedModel, {klass.__name__})`, "
+                "and build the model from it (docs/model.md)."
+            )
 
 
 # Keras's own constructor arguments: never taken for a misspelled option.

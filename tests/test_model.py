@@ -512,3 +512,34 @@ def test_from_model_refuses_a_keyword_that_is_not_an_option():
     )
     with pytest.raises(TypeError, match=r"\['seed'\]\. It takes"):
         SafeDistributedModel.from_model(sequential, seed=1)
+
+
+def test_from_model_keeps_the_options_of_a_safe_distributed_model():
+    inputs = keras.Input((3,))
+    safe = SafeDistributedModel(
+        inputs, keras.layers.Dense(1)(inputs), gradient_accumulation_steps=4, global_clipnorm=1.0,
+        skip_nonfinite=False,
+    )
+    wrapped = SafeDistributedModel.from_model(safe)
+    assert (wrapped.gradient_accumulation_steps, wrapped.global_clipnorm, wrapped.skip_nonfinite) == (4, 1.0, False)
+    # Given options win; a clipping mode given replaces the model's own.
+    rewrapped = SafeDistributedModel.from_model(safe, clipnorm=0.5, gradient_accumulation_steps=2)
+    assert (rewrapped.gradient_accumulation_steps, rewrapped.clipnorm, rewrapped.global_clipnorm) == (2, 0.5, None)
+
+
+@pytest.mark.parametrize("method", ["compute_loss", "train_step", "test_step"])
+def test_from_model_refuses_a_class_that_overrides_the_step(method):
+    def override(self, *args, **kwargs):
+        return getattr(keras.Model, method)(self, *args, **kwargs)
+
+    Penalized = type("Penalized", (keras.Model,), {method: override})
+    inputs = keras.Input((3,))
+    model = Penalized(inputs, keras.layers.Dense(1)(inputs), name="penalized")
+    with pytest.raises(TypeError) as error:
+        SafeDistributedModel.from_model(model)
+    assert str(error.value) == (
+        "SafeDistributedModel.from_model() copies the layers of model 'penalized', not its class, "
+        f"and Penalized overrides `{method}`: the wrapped model would train without it. Mix "
+        "SafeDistributedModel into that class instead, `class SafePenalized(SafeDistributedModel, "
+        "Penalized)`, and build the model from it (docs/model.md)."
+    )
