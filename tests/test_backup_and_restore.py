@@ -228,3 +228,83 @@ def test_a_run_killed_while_writing_a_backup_resumes_from_the_previous_one(tmp_p
     saved = np.load(expected)
     for index, restored in enumerate(record.start):
         np.testing.assert_array_equal(saved[f"arr_{index}"], restored)
+
+
+# A run that holds `backup_dir` at the start of its second epoch until told to go on.
+_HOLDING_RUN = """
+import os, sys, time
+import keras, numpy as np
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore
+
+backup, ready, go = sys.argv[1:4]
+
+class Hold(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            open(ready, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(go) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+inputs = keras.Input((4,))
+model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+model.compile(optimizer="sgd", loss="mse")
+x = np.ones((16, 4), "float32")
+model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0,
+          callbacks=[MultiWorkerBackupAndRestore(backup), Hold()])
+print("finished, backup left:", os.path.exists(backup))
+"""
+
+
+def _wait_for(path, process, seconds=180):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{path} did not appear in {seconds} s"
+        time.sleep(0.1)
+
+
+def test_a_second_run_on_the_same_backup_dir_is_refused_and_the_first_keeps_its_backup(tmp_path):
+    backup, ready, go = tmp_path / "backup", tmp_path / "ready", tmp_path / "go"
+    first = subprocess.Popen(
+        [sys.executable, "-c", _HOLDING_RUN, str(backup), str(ready), str(go)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_for(ready, first)
+        assert "epoch_1.weights.h5" in os.listdir(backup)  # the first run's backup of epoch 1
+        second = model()
+        with pytest.raises(RuntimeError) as error:
+            second.fit(X, Y, batch_size=8, epochs=2, verbose=0,
+                       callbacks=[MultiWorkerBackupAndRestore(str(backup))])
+        message = str(error.value)
+        assert f"MultiWorkerBackupAndRestore cannot use {str(backup)!r}: another run holds it (process {first.pid} " in message
+        assert "Give this run a folder of its own, or wait for the other to end" in message
+        assert int(second.optimizer.iterations.numpy()) == 0
+        assert "epoch_1.weights.h5" in os.listdir(backup)  # nothing of the first run touched
+        go.touch()
+        out, err = first.communicate(timeout=180)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+    assert first.returncode == 0, err[-3000:]
+    assert out.strip() == "finished, backup left: False"
+    # The folder is free again.
+    history = model().fit(X, Y, batch_size=8, epochs=1, verbose=0,
+                          callbacks=[MultiWorkerBackupAndRestore(str(backup))])
+    assert history.epoch == [0]
+
+
+def test_the_lock_of_a_run_that_died_is_taken_over(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    lock = backup / ".keras_safe_dist.lock"
+    lock.write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead.stdout), "started": 0}))
+    history = model().fit(X, Y, batch_size=8, epochs=2, verbose=0,
+                          callbacks=[MultiWorkerBackupAndRestore(str(backup))])
+    assert history.epoch == [0, 1]
+    assert not backup.exists()  # trained, backed up, cleaned up: the stale lock went too

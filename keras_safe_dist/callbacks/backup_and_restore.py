@@ -11,6 +11,7 @@ import keras
 from keras_safe_dist import _compat
 from keras_safe_dist import _files
 from keras_safe_dist import _json
+from keras_safe_dist import _lock
 from keras_safe_dist import distributed
 
 
@@ -28,7 +29,9 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
     so `backup_dir` must be readable by all workers (the same disk for local
     workers, a shared filesystem on a cluster). When training begins, each
     worker checks that it can write its directory, so a wrong path fails
-    before the first epoch, not at its end.
+    before the first epoch, not at its end, and takes the directory's lock:
+    a second run on the same `backup_dir` at once is refused, naming the
+    run that holds it (a crashed run's lock is taken over).
 
     Backups are taken at epoch ends (`save_freq="epoch"`, the only value
     accepted): Keras resumes a restored run at the start of the saved epoch,
@@ -60,6 +63,8 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
             was).
         OSError: when training begins, for a directory the worker cannot
             create or write.
+        RuntimeError: when training begins, for a directory another live
+            run is using (`_lock.FolderInUse`, naming its process).
 
     Example:
 
@@ -78,6 +83,7 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         super().__init__(backup_dir, save_freq="epoch", delete_checkpoint=delete_checkpoint)
         self._chief_dir = backup_dir
         self._worker_dir = None
+        self._lock = None
 
     def on_train_begin(self, logs=None):
         # None on JAX, where process 0 is the chief.
@@ -89,6 +95,11 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         else:
             worker_dir = os.path.join(self._chief_dir, distributed.worker_name(strategy))
             _check_writable(worker_dir)
+        # One run per folder: another run's clean-up would delete this one's
+        # files (each process locks the folder it writes).
+        written = worker_dir or self._chief_dir
+        if not _files.remote(written):
+            self._lock = _lock.acquire(written, "MultiWorkerBackupAndRestore")
         # Every worker restores from the chief's backup; reading it changes
         # nothing on disk, so the workers need not take turns.
         self._restore()
@@ -101,6 +112,9 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         # Not Keras's rmtree of the whole directory: the workers end at their
         # own pace, each removes what it wrote, then the directory if it is
         # empty (whichever removes last sees it empty).
+        if self._lock is not None:
+            _lock.release(self._lock)
+            self._lock = None
         if self._worker_dir is not None:
             _files.remove(self._worker_dir)
             self._worker_dir = None
