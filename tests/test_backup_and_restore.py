@@ -308,3 +308,70 @@ def test_the_lock_of_a_run_that_died_is_taken_over(tmp_path):
                           callbacks=[MultiWorkerBackupAndRestore(str(backup))])
     assert history.epoch == [0, 1]
     assert not backup.exists()  # trained, backed up, cleaned up: the stale lock went too
+
+
+_FILLING_RUN = """
+import sys
+import keras, numpy as np
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore
+
+backup, after_first = sys.argv[1:3]
+
+class Keep(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            np.savez(after_first, *self.model.get_weights())
+
+keras.utils.set_random_seed(0)
+inputs = keras.Input((64,))
+model = SafeDistributedModel(inputs, keras.layers.Dense(1024)(inputs))  # 1 MiB... of float32: 260 KB
+model.compile(optimizer="sgd", loss="mse")
+x = np.ones((16, 64), "float32")
+try:
+    model.fit(x, np.zeros((16, 1024), "float32"), batch_size=8, epochs=3, verbose=0,
+              callbacks=[MultiWorkerBackupAndRestore(backup), Keep()])
+except OSError as error:
+    print("OSError:", error)
+"""
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs: room for one backup of a 260 KB model, not for the next beside it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_raises_naming_the_folder_and_keeps_the_previous_backup(tmp_path, small_disk):
+    backup, after_first = small_disk / "backup", tmp_path / "after_first.npz"
+    done = subprocess.run([sys.executable, "-c", _FILLING_RUN, str(backup), str(after_first)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]  # before: a segmentation fault (139)
+    message = done.stdout.strip()
+    assert message.startswith(
+        f"OSError: [Errno 28] MultiWorkerBackupAndRestore cannot write the backup of epoch 2 to "
+        f"backup_dir={str(backup)!r}: epoch_2.weights.h5 needs about "
+    ), message
+    assert "bytes free. The previous backup is kept." in message
+    assert sorted(os.listdir(backup)) == [".keras_safe_dist.lock", "epoch_1.weights.h5", "training_metadata.json"]
+    # The previous backup resumes exactly: a run of one epoch restores it and has nothing left to do.
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((64,))
+    resumed = SafeDistributedModel(inputs, keras.layers.Dense(1024)(inputs))
+    resumed.compile(optimizer="sgd", loss="mse")
+    x = np.ones((16, 64), "float32")
+    history = resumed.fit(x, np.zeros((16, 1024), "float32"), batch_size=8, epochs=1, verbose=0,
+                          callbacks=[MultiWorkerBackupAndRestore(str(backup))])
+    assert history.epoch == []
+    expected = np.load(after_first)
+    for index, weight in enumerate(resumed.get_weights()):
+        np.testing.assert_array_equal(weight, expected[f"arr_{index}"])

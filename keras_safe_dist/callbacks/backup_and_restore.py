@@ -1,12 +1,15 @@
 """`BackupAndRestore` that is safe with several workers sharing one directory."""
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 
 import keras
+import numpy as np
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _files
@@ -84,8 +87,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         self._chief_dir = backup_dir
         self._worker_dir = None
         self._lock = None
+        self._backup_size = None  # bytes of the last weights file written
 
     def on_train_begin(self, logs=None):
+        self._backup_size = None
         # None on JAX, where process 0 is the chief.
         strategy = distributed.strategy_of(self.model)
         chief = distributed.is_chief(strategy)
@@ -138,8 +143,19 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         name = _weights_name(epoch)
         path = os.path.join(directory, name)
         tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}_{name}")
-        self.model.save_weights(tmp, overwrite=True)
+        # HDF5 crashes the process on a full disk (a segmentation fault after
+        # errno 28): make sure of the room first, the previous backup kept.
+        _check_room(directory, name, epoch, self._backup_size or _estimated_size(self.model))
+        try:
+            self.model.save_weights(tmp, overwrite=True)
+        except Exception as error:
+            _files.remove(tmp)
+            raise OSError(
+                f"MultiWorkerBackupAndRestore could not write {name} to backup_dir="
+                f"{directory!r} ({type(error).__name__}: {error}). The previous backup is kept."
+            ) from error
         size, digest = _digest(tmp)
+        self._backup_size = size
         _files.rename(tmp, path)
         metadata = {
             "epoch": epoch,
@@ -246,6 +262,35 @@ _METADATA_LIMIT = 1 << 16
 
 def _weights_name(epoch):
     return f"epoch_{epoch}.weights.h5"
+
+
+# Room kept beyond the estimate: HDF5's headers, one per variable, and the metadata.
+_HDF5_BYTES_PER_VARIABLE = 4096
+_MARGIN_BYTES = 1 << 16
+
+
+def _estimated_size(model):
+    """About the bytes of a weights file of `model` and its optimizer."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.weights) + list(getattr(optimizer, "variables", None) or [])
+    data = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+    return data + _HDF5_BYTES_PER_VARIABLE * len(variables)
+
+
+def _check_room(directory, name, epoch, size):
+    """Raises an `OSError` (ENOSPC) when `directory`'s disk has no room for `size` bytes more."""
+    if _files.remote(directory):
+        return
+    free = shutil.disk_usage(directory).free
+    needed = size + _MARGIN_BYTES
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"MultiWorkerBackupAndRestore cannot write the backup of epoch {epoch} to "
+            f"backup_dir={directory!r}: {name} needs about {needed} bytes and its disk has "
+            f"{free} bytes free. The previous backup is kept. Free some space, or pass a "
+            "backup_dir on a disk with room",
+        )
 
 
 def _weights_epoch(name):
