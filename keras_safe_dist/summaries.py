@@ -8,32 +8,55 @@ no TensorFlow needed). The same reports are also written as JSON, so that
 Under multi-worker training only the chief writes; the other workers' calls
 return without touching the file system. Callbacks run outside the strategy's
 scope, so they pass the model's `distribute_strategy` to tell who the chief is.
+
+Each function takes `who`, the callback or function writing: a write that fails
+(a full disk, a `log_dir` replaced by a file) raises an `OSError` naming it and
+the folder, and an event file removed during training (its folder deleted) is
+written anew there, with a warning naming it, once per folder.
 """
 
 import atexit
+import contextlib
 import os
 import threading
 
 from keras_safe_dist import _events
 from keras_safe_dist import _json
+from keras_safe_dist import _warnings
 from keras_safe_dist.distributed import is_chief
 
-__all__ = ["write_json", "write_report", "write_scalars", "write_text"]
+__all__ = ["write_json", "write_report", "write_scalars", "write_text", "writing"]
 
 
-def write_text(log_dir, tag, markdown, step=0, strategy=None):
+@contextlib.contextmanager
+def writing(who, log_dir):
+    """Re-raises an `OSError` of a write into `log_dir` as one naming `who` and `log_dir`."""
+    try:
+        yield
+    except OSError as error:
+        what = f"{error.strerror or error}" + (f": {error.filename!r}" if error.filename else "")
+        message = (
+            f"{who} could not write to log_dir={os.fspath(log_dir)!r} ({what}). Free some "
+            "space, or pass a log_dir it can create and write."
+        )
+        raise (OSError(error.errno, message) if error.errno else OSError(message)) from error
+
+
+def write_text(log_dir, tag, markdown, step=0, strategy=None, who="keras_safe_dist"):
     """Writes `markdown` as a text summary under `tag`; chief only."""
     if is_chief(strategy):
-        _write_summaries(log_dir, step, texts={tag: markdown})
+        with writing(who, log_dir):
+            _write_summaries(log_dir, step, who, texts={tag: markdown})
 
 
-def write_scalars(log_dir, scalars, step=0, strategy=None):
+def write_scalars(log_dir, scalars, step=0, strategy=None, who="keras_safe_dist"):
     """Writes each `{tag: value}` as a scalar summary; chief only."""
     if is_chief(strategy):
-        _write_summaries(log_dir, step, scalars=scalars)
+        with writing(who, log_dir):
+            _write_summaries(log_dir, step, who, scalars=scalars)
 
 
-def write_json(log_dir, filename, data, strategy=None):
+def write_json(log_dir, filename, data, strategy=None, who="keras_safe_dist"):
     """Writes `data` as indented strict JSON to `log_dir/filename`; chief only.
 
     Non-finite numbers are written as strings (see `keras_safe_dist._json`),
@@ -44,10 +67,11 @@ def write_json(log_dir, filename, data, strategy=None):
     """
     if not is_chief(strategy):
         return None
-    return _write_json(log_dir, filename, data)
+    with writing(who, log_dir):
+        return _write_json(log_dir, filename, data)
 
 
-def write_report(log_dir, report, step=0, extra=None, strategy=None):
+def write_report(log_dir, report, step=0, extra=None, strategy=None, who="keras_safe_dist"):
     """Writes an `AuditReport` to `log_dir`; chief only.
 
     Writes the markdown table as text under `audits/<name>`, the count of
@@ -57,18 +81,20 @@ def write_report(log_dir, report, step=0, extra=None, strategy=None):
     if not is_chief(strategy):
         return
     name = report.name.replace(" ", "_")
-    _write_summaries(
-        log_dir,
-        step,
-        texts={f"audits/{name}": report.to_markdown()},
-        scalars={f"audits/{name}/{sev}": n for sev, n in report.counts().items()},
-    )
-    _write_json(log_dir, f"audit_{name}.json", {**report.to_dict(), **(extra or {})})
+    with writing(who, log_dir):
+        _write_summaries(
+            log_dir,
+            step,
+            who,
+            texts={f"audits/{name}": report.to_markdown()},
+            scalars={f"audits/{name}/{sev}": n for sev, n in report.counts().items()},
+        )
+        _write_json(log_dir, f"audit_{name}.json", {**report.to_dict(), **(extra or {})})
 
 
-def _write_summaries(log_dir, step, texts=None, scalars=None):
+def _write_summaries(log_dir, step, who, texts=None, scalars=None):
     # One event per value, as tf.summary.text and tf.summary.scalar write them.
-    writer = _writer(log_dir)
+    writer = _writer(log_dir, who)
     for tag, markdown in (texts or {}).items():
         writer.write(step, [_events.text(tag, markdown)])
     for tag, value in (scalars or {}).items():
@@ -97,7 +123,7 @@ def _close_writers():
         _WRITERS.clear()
 
 
-def _writer(log_dir):
+def _writer(log_dir, who):
     """The log directory's event file writer, kept open for the next write."""
     log_dir = os.fspath(log_dir)
     remote = "://" in log_dir
@@ -109,5 +135,22 @@ def _writer(log_dir):
         if writer is None or not (remote or os.path.exists(writer.path)):
             if writer is not None:
                 writer.close()
+                warn_recreated(who, writer.path, log_dir)
             writer = _WRITERS[key] = _events.EventFileWriter(log_dir)
         return writer
+
+
+_WARNED_RECREATED = set()
+
+
+def warn_recreated(who, path, log_dir):
+    """Warns, once per folder, that the event file `path` went and a new one is written."""
+    key = os.path.abspath(os.fspath(log_dir))
+    if key in _WARNED_RECREATED:
+        return
+    _WARNED_RECREATED.add(key)
+    _warnings.warn(
+        f"{who}: the event file {path!r} was removed during training (log_dir={os.fspath(log_dir)!r} "
+        "deleted?). A new event file is written there from now on; what the removed one held "
+        "is lost."
+    )

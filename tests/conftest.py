@@ -3,6 +3,7 @@
 import gc
 import json
 import os
+import subprocess
 
 # Level 3 also drops "failed call to cuInit ... (303)" on a machine without a
 # GPU; the lines written while TensorFlow loads ignore any level.
@@ -114,3 +115,28 @@ def strict_json(text):
         raise ValueError(f"not RFC 8259 JSON: bare {token}")
 
     return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """`tmpfs(size)`: a folder on a tmpfs of `size` (e.g. "512k"), a disk that fills up.
+
+    Needs root (mount); skips with the reason where the machine cannot mount one.
+    """
+    mounted = []
+
+    def mount(size):
+        disk = tmp_path / f"disk{len(mounted)}"
+        disk.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+            capture_output=True, text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+        mounted.append(disk)
+        return disk
+
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -337,18 +337,9 @@ except OSError as error:
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmpfs):
     """A 512 KiB tmpfs: room for one backup of a 260 KB model, not for the next beside it."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
+    return tmpfs("512k")
 
 
 def test_a_full_disk_raises_naming_the_folder_and_keeps_the_previous_backup(tmp_path, small_disk):

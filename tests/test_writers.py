@@ -2,11 +2,15 @@
 a failed write loses nothing, and nothing is left in the system temp folder."""
 
 import os
+import pathlib
+import shutil
 import tempfile
+import warnings
 
 import keras
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
@@ -145,3 +149,71 @@ def test_dashboard_with_a_bad_log_dir_fails_before_training_as_the_other_callbac
         "Pass a directory it can create and write."
     )
     assert counter.batches == 0
+
+
+def _fill(disk):
+    """Fills `disk` to the last byte."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("make", [
+    lambda log_dir: callbacks.Dashboard(log_dir),
+    lambda log_dir: callbacks.AggregationAudit(log_dir=log_dir),
+], ids=["Dashboard", "AggregationAudit"])
+def test_a_full_disk_under_a_callback_names_the_callback_and_the_folder(make, tmpfs):
+    disk = tmpfs("64k")
+    _fill(disk)
+    model, x, y = model_and_data()
+    callback = make(str(disk / "logs"))
+    with pytest.raises(OSError) as error:
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
+    message = str(error.value)
+    name = type(callback).__name__
+    assert message.startswith(f"[Errno 28] {name} could not write to log_dir=")
+    assert str(disk / "logs") in message and "No space left on device" in message
+
+
+class RemoveFolder(keras.callbacks.Callback):
+    """Deletes `folder` at the end of epoch 0, and puts a file in its place if asked."""
+
+    def __init__(self, folder, file_instead=False):
+        super().__init__()
+        self.folder, self.file_instead = folder, file_instead
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            shutil.rmtree(self.folder)
+            if self.file_instead:
+                pathlib.Path(self.folder).write_text("not a folder")
+
+
+def test_a_log_dir_deleted_during_training_is_written_anew_with_one_warning(tmp_path):
+    model, x, y = model_and_data()
+    log_dir = tmp_path / "logs"
+    with pytest.warns(UserWarning) as warned:
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                  callbacks=[RemoveFolder(log_dir), callbacks.Dashboard(str(log_dir))])
+    messages = [str(w.message) for w in warned if "was removed during training" in str(w.message)]
+    assert len(messages) == 1
+    assert messages[0].startswith("Dashboard: the event file ")
+    assert "A new event file is written there from now on" in messages[0]
+    events = EventAccumulator(str(log_dir / "safe_distributed"), size_guidance={"tensors": 0})
+    events.Reload()
+    # The folder went before the Dashboard's epoch-0 end: every epoch's values are in the new file.
+    assert [e.step for e in events.Tensors("safe_distributed/samples_per_update")] == [0, 1, 2]
+
+
+def test_a_log_dir_replaced_by_a_file_during_training_raises_naming_the_callback(tmp_path):
+    model, x, y = model_and_data()
+    log_dir = tmp_path / "logs"
+    with pytest.raises(OSError) as error, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                  callbacks=[RemoveFolder(log_dir, file_instead=True), callbacks.Dashboard(str(log_dir))])
+    assert str(error.value).startswith(f"[Errno 20] Dashboard could not write to log_dir={str(log_dir)!r} (Not a directory")

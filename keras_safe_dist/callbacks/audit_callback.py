@@ -155,6 +155,7 @@ class AuditCallback(keras.callbacks.Callback):
                 step,
                 extra=extra,
                 strategy=strategy_of(self.model),
+                who=type(self).__name__,
             )
         serious = report.at_least("warning")
         new = [f for f in serious if (f.code, f.subject) not in self._acted_on]

@@ -12,7 +12,9 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.util import tensor_util
 
 from keras_safe_dist import _events
+from keras_safe_dist import _files
 from keras_safe_dist import _validate
+from keras_safe_dist import summaries
 from keras_safe_dist.audits.stock import warn_no_update_statistics
 from keras_safe_dist.distributed import is_chief
 from keras_safe_dist.distributed import strategy_of
@@ -197,17 +199,22 @@ class Dashboard(keras.callbacks.Callback):
             return
         # Before any training, with the message the other callbacks give.
         _validate.writable_directory("Dashboard", "log_dir", self.log_dir, optional=False)
-        self._writer = _events.EventFileWriter(os.path.join(self.log_dir, self.run))
-        # Each event file gives each tag's description once, with its first value.
-        self._metadata = {
-            name: scalar_metadata.create_summary_metadata(
-                display_name=name, description=description(name, per_update=True)
-            )
-            for name in STATISTICS
-        }
-        per_update = self.update_freq != "epoch"
-        self._writer.write(0, _layout_summary(layout(per_update)))
-        self._writer.flush()
+        self._open()
+
+    def _open(self):
+        """A new event file, starting with the layout."""
+        with summaries.writing("Dashboard", self.log_dir):
+            self._writer = _events.EventFileWriter(os.path.join(self.log_dir, self.run))
+            # Each event file gives each tag's description once, with its first value.
+            self._metadata = {
+                name: scalar_metadata.create_summary_metadata(
+                    display_name=name, description=description(name, per_update=True)
+                )
+                for name in STATISTICS
+            }
+            per_update = self.update_freq != "epoch"
+            self._writer.write(0, _layout_summary(layout(per_update)))
+            self._writer.flush()
 
     def on_epoch_begin(self, epoch, logs=None):
         with self._lock:
@@ -244,9 +251,21 @@ class Dashboard(keras.callbacks.Callback):
             for name in LOG_NAMES
             if name in logs
         ]
-        if values:
-            self._writer.write(epoch, values)
-        self._writer.flush()
+        self._reopen_if_removed()
+        with summaries.writing("Dashboard", self.log_dir):
+            if values:
+                self._writer.write(epoch, values)
+            self._writer.flush()
+
+    def _reopen_if_removed(self):
+        # The folder deleted during training: this epoch's points went to a
+        # removed file. Say so once and write the next ones anew there.
+        path = self._writer.path
+        if _files.remote(path) or os.path.exists(path):
+            return
+        self._writer.close()
+        summaries.warn_recreated("Dashboard", path, os.path.join(self.log_dir, self.run))
+        self._open()
 
     def on_train_end(self, logs=None):
         self._close()
@@ -284,7 +303,8 @@ class Dashboard(keras.callbacks.Callback):
                     )
                 )
         if values:
-            self._writer.write(latest, values)
+            with summaries.writing("Dashboard", self.log_dir):
+                self._writer.write(latest, values)
 
     def _close(self):
         if self._writer is not None:

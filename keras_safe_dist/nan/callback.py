@@ -503,7 +503,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                         self.log_dir,
                         _nan_report.REPORT_FILE,
                         self.report,
-                        strategy=self.model.distribute_strategy,
+                        strategy=distributed.strategy_of(self.model),
+                        who="NaNOnsetDetector",
                     )
 
     def _nonfinite_weights(self):

@@ -180,11 +180,13 @@ def write(report, log_dir, shares, step, strategy):
         report["files"]["batch"] = os.path.join(log_dir, BATCH_FILE)
     report["files"]["report"] = os.path.join(log_dir, REPORT_FILE)
     report["summary"] = paragraph(report)
-    if shares:
-        os.makedirs(log_dir, exist_ok=True)
-        np.savez(report["files"]["batch"], **_batch_arrays(shares))
-    summaries.write_json(log_dir, REPORT_FILE, report, strategy=strategy)
-    summaries.write_text(log_dir, TAG, markdown(report), step=step, strategy=strategy)
+    with summaries.writing("NaNOnsetDetector", log_dir):
+        if shares:
+            os.makedirs(log_dir, exist_ok=True)
+            np.savez(report["files"]["batch"], **_batch_arrays(shares))
+    who = "NaNOnsetDetector"
+    summaries.write_json(log_dir, REPORT_FILE, report, strategy=strategy, who=who)
+    summaries.write_text(log_dir, TAG, markdown(report), step=step, strategy=strategy, who=who)
 
 
 def skips_finding(count, epoch, batch):

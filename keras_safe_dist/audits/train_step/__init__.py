@@ -131,7 +131,9 @@ def audit_train_step(
     findings += state_findings(train_state, history, recorder, optimizer, metrics)
     report = AuditReport(REPORT_NAME, findings + layout_findings)
     if log_dir is not None and (layout.is_chief() if layout else True):
-        summaries.write_report(log_dir, report, extra={"train_step": name, "steps": steps})
+        summaries.write_report(
+            log_dir, report, extra={"train_step": name, "steps": steps}, who="audit_train_step"
+        )
     return report
 
 
