@@ -14,10 +14,11 @@ import dataclasses
 import json
 import os
 import stat
+import struct
 
+from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
-from tensorboard.compat.tensorflow_stub import errors as record_errors
-from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as _masked_crc32c
 from tensorboard.util import tensor_util
 
 from keras_safe_dist.findings import SEVERITIES
@@ -349,8 +350,7 @@ def _run_statistics(paths, warnings):
                 for value in event.summary.value:
                     if value.tag in tags:
                         series.setdefault(value.tag, []).append(_scalar(value))
-        except (record_errors.OpError, OSError, ValueError) as error:
-            # A DecodeError is a ValueError.
+        except (OSError, ValueError, DecodeError) as error:
             warnings.append(UnreadableFile(path, f"event file damaged, read up to it: {error}"))
     values = {}
     for name in LOG_NAMES:
@@ -362,13 +362,31 @@ def _run_statistics(paths, warnings):
 
 
 def _events(path):
-    reader = pywrap_tensorflow.PyRecordReader_New(path)
-    while True:
-        try:
-            reader.GetNext()
-        except record_errors.OutOfRangeError:
-            return
-        yield event_pb2.Event.FromString(reader.record())
+    """The events of the event file `path`, each record's CRC-32Cs checked.
+
+    Read with `open()`, so that any name the file system holds is read
+    (TensorBoard's TensorFlow-free reader encodes the path as UTF-8, which a
+    folder named in another encoding is not). Raises `ValueError` at a
+    truncated or damaged record, after the events before it.
+    """
+    with open(path, "rb") as f:
+        while True:
+            offset = f.tell()
+            header = f.read(12)
+            if not header:
+                return
+            length_bytes = header[:8]
+            if len(header) < 12:
+                raise ValueError(f"{path}: record truncated at byte {offset} (header)")
+            if _masked_crc32c(length_bytes) != struct.unpack("<I", header[8:])[0]:
+                raise ValueError(f"{path}: record at byte {offset} failed its header crc32 check")
+            (length,) = struct.unpack("<Q", length_bytes)
+            data, crc = f.read(length), f.read(4)
+            if len(data) < length or len(crc) < 4:
+                raise ValueError(f"{path}: record truncated at byte {offset} (data)")
+            if _masked_crc32c(data) != struct.unpack("<I", crc)[0]:
+                raise ValueError(f"{path}: record at byte {offset} failed its data crc32 check")
+            yield event_pb2.Event.FromString(data)
 
 
 def _scalar(value):

@@ -17,6 +17,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
 from keras_safe_dist import cli
+from keras_safe_dist import summaries
 from keras_safe_dist.report import LogDirReport
 from keras_safe_dist.report import format_text
 from keras_safe_dist.report import read_log_dir
@@ -459,3 +460,24 @@ def test_report_fails_a_stock_model_clipping_per_replica_and_says_it_logs_no_sta
     assert "| aggregation | DIST001 | error | optimizer '" in out
     assert "Update statistics per run:\nnone logged: the update statistics come from a SafeDistributedModel" in out
     assert out.rstrip().endswith("1 finding(s) at or above 'warning': failing.")
+
+
+def test_a_run_folder_named_in_another_encoding_is_read(tmp_path, capsys):
+    # A folder name that is not UTF-8 (bytes from another system's encoding).
+    log_dir = tmp_path / "logs"
+    summaries.write_scalars(str(log_dir / "run"), {"safe_distributed/grad_norm": 0.5}, step=0)
+    os.rename(os.fsencode(log_dir / "run"), os.fsencode(log_dir) + b"/run\xff")
+    report = read_log_dir(str(log_dir))
+    assert report.warnings == []
+    (run,) = report.runs
+    assert run.values["grad_norm"] == [0.5]
+
+
+def test_a_record_with_valid_checksums_but_no_event_is_a_damaged_file(tmp_path):
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    path = tmp_path / "events.out.tfevents.1.host.1.0.v2"
+    with open(path, "wb") as f:
+        RecordWriter(f).write(b"\xff\xff not an event")
+    report = read_log_dir(str(tmp_path))
+    assert [w.path for w in report.warnings] == [str(path)]
