@@ -17,14 +17,17 @@ This module imports neither TensorFlow nor Keras.
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 
 from keras_safe_dist import _json
+from keras_safe_dist import _reaper
 
 __all__ = ["WorkerGroup", "free_ports", "launch", "max_workers", "shell_status", "tf_config"]
 
@@ -36,7 +39,21 @@ _SPARE_FILES = 32
 
 # What a worker prints when its port was taken: TensorFlow's gRPC server, or
 # the errno text of a plain bind.
-_PORT_TAKEN_MARKERS = ("Could not start gRPC server", "Address already in use")
+# TensorFlow's worker server failing to start: on the port the launcher chose.
+_SERVER_FAILED = "Could not start gRPC server"
+# Any server's bind failure: the launcher's port only when the line names it.
+_ADDRESS_IN_USE = "Address already in use"
+
+
+def _bind_failure(text, port):
+    """Whether a worker's output line says it could not bind `port`, the launcher's choice.
+
+    A worker's own server (say on port 8500) failing to bind is the worker's
+    failure, not the launcher's: starting every worker again would not help.
+    """
+    if _SERVER_FAILED in text:
+        return True
+    return _ADDRESS_IN_USE in text and re.search(rf"(?<!\d){port}(?!\d)", text) is not None
 
 
 def max_workers():
@@ -233,6 +250,9 @@ class WorkerGroup:
         self._bind_failed = set()  # workers that printed a bind failure
         self._reaper = None
         self._reaper_lock = threading.Lock()
+        # In every worker's environment, so that clean-up finds the workers'
+        # descendants that left their process group (a new session, a daemon).
+        self.launch_id = uuid.uuid4().hex
 
     def start(self):
         """Starts every worker, each with its own `TF_CONFIG` on a free port.
@@ -255,8 +275,10 @@ class WorkerGroup:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        self._tell_reaper(f"mark {self.launch_id}")
         for index in range(self.workers):
             env = dict(os.environ, **self.env, TF_CONFIG=tf_config(ports, index))
+            env[_reaper.MARK] = self.launch_id
             env.setdefault("PYTHONUNBUFFERED", "1")
             process = subprocess.Popen(
                 [sys.executable, *program, *self.args],
@@ -279,7 +301,7 @@ class WorkerGroup:
         # or the pipe fills and the worker blocks.
         for line in process.stdout:
             text = line.decode("utf-8", errors="replace").rstrip("\r\n")
-            if any(marker in text for marker in _PORT_TAKEN_MARKERS):
+            if index < len(self.ports) and _bind_failure(text, self.ports[index]):
                 self._bind_failed.add(index)
             self.on_line(index, text)
 
@@ -383,6 +405,9 @@ class WorkerGroup:
             process.wait()
             self._tell_reaper(f"forget {process.pid}")
         if index is None:
+            # Descendants that left the groups (their own session) but kept
+            # the environment they were given.
+            _reaper.kill_marked(self.launch_id)
             self._stop_reaper()  # nothing left to watch
 
 

@@ -113,12 +113,16 @@ def _survivors(marker):
     return found.stdout.split()
 
 
-def _sleeper_script(tmp_path, marker, body=""):
-    """A worker that starts a child sleeping under `marker`, says "ready", runs `body`, then sleeps."""
+def _sleeper_script(tmp_path, marker, body="", new_session=False):
+    """A worker that starts a child sleeping under `marker`, says "ready", runs `body`, then sleeps.
+
+    With `new_session`, the child leaves the worker's process group (its own session).
+    """
     path = tmp_path / f"{marker}.py"
     path.write_text(
         "import subprocess, sys, time\n"
-        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', '{marker}'])\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', '{marker}'], "
+        f"start_new_session={new_session})\n"
         "print('ready', flush=True)\n"
         f"{body}"
         "time.sleep(120)\n"
@@ -154,9 +158,10 @@ def test_a_signal_to_the_launcher_kills_every_worker_and_child(tmp_path, signum)
     assert _survivors(marker) == []
 
 
-def test_a_worker_that_exits_leaves_no_child_behind(tmp_path):
+@pytest.mark.parametrize("new_session", [False, True], ids=["its_group", "new_session"])
+def test_a_worker_that_exits_leaves_no_child_behind(tmp_path, new_session):
     marker = f"ksd_orphan_{uuid.uuid4().hex}"
-    path = _sleeper_script(tmp_path, marker, body="sys.exit(0)\n")
+    path = _sleeper_script(tmp_path, marker, body="sys.exit(0)\n", new_session=new_session)
     assert WorkerGroup(path, workers=2, on_line=lambda *_: None).start().wait(60) == [0, 0]
     assert _survivors(marker) == []
 
@@ -202,9 +207,10 @@ def test_launch_help_and_argument_errors_return_without_loading_tensorflow():
     assert seconds < 2.0, seconds  # TensorFlow alone takes about 4 s to import
 
 
-def test_workers_and_their_children_end_when_the_launcher_is_killed_with_sigkill(tmp_path):
+@pytest.mark.parametrize("new_session", [False, True], ids=["its_group", "new_session"])
+def test_workers_and_their_children_end_when_the_launcher_is_killed_with_sigkill(tmp_path, new_session):
     marker = f"ksd_sigkill_{uuid.uuid4().hex}"
-    launcher = _launcher(_sleeper_script(tmp_path, marker))
+    launcher = _launcher(_sleeper_script(tmp_path, marker, new_session=new_session))
     try:
         for _ in range(2):  # both workers started their child
             assert "ready" in launcher.stdout.readline()
@@ -317,3 +323,33 @@ def test_the_watcher_kills_the_groups_still_listed_when_its_pipe_closes_without_
         for process in sleepers:
             process.kill()
             process.wait()
+
+
+_OWN_SERVER_FAILS = (
+    "import sys\n"
+    "print('OSError: [Errno 98] Address already in use: the model server on port 8500')\n"
+    "sys.exit(3)\n"
+)
+
+
+def test_a_worker_that_fails_on_a_port_of_its_own_is_not_started_again(tmp_path, capsys, monkeypatch):
+    from keras_safe_dist import launch as launch_module
+
+    real = launch_module.free_ports
+    chosen = []
+    monkeypatch.setattr(launch_module, "free_ports", lambda count: chosen.append(real(count)) or chosen[-1])
+    code = cli.main(["launch", "--workers", "2", "--timeout", "60", script(tmp_path, _OWN_SERVER_FAILS)])
+    out, err = capsys.readouterr()
+    assert len(chosen) == 1  # started once: port 8500 is not the launcher's
+    assert code == 3
+    assert "starting every worker again" not in err
+    assert "Address already in use: the model server on port 8500" in out
+
+
+def test_a_bind_failure_counts_only_on_the_launchers_port():
+    from keras_safe_dist.launch import _bind_failure
+
+    assert _bind_failure("OSError: [Errno 98] Address already in use: 127.0.0.1:41234", 41234)
+    assert not _bind_failure("OSError: [Errno 98] Address already in use: 127.0.0.1:8500", 41234)
+    assert not _bind_failure("Address already in use: port 412345", 41234)
+    assert _bind_failure("UNKNOWN: Could not start gRPC server", 41234)  # TensorFlow's, on the launcher's port
