@@ -1,5 +1,8 @@
 """SafeDistributedModel's arguments, compile checks, saving, evaluate/predict and logs."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import keras
@@ -543,3 +546,49 @@ def test_from_model_refuses_a_class_that_overrides_the_step(method):
         "SafeDistributedModel into that class instead, `class SafePenalized(SafeDistributedModel, "
         "Penalized)`, and build the model from it (docs/model.md)."
     )
+
+
+_TWO_STRATEGIES = """
+import sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, numpy as np
+from keras_safe_dist import SafeDistributedModel
+
+x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+y = x.sum(axis=1, keepdims=True)
+stock = sys.argv[1] == "stock"
+for steps, units in ((1, 8), (4, 5)):  # each fit under a new strategy over the same devices
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(1)(keras.layers.Dense(units)(inputs))
+        if stock:
+            model = keras.Model(inputs, outputs)
+        else:
+            model = SafeDistributedModel(inputs, outputs, gradient_accumulation_steps=steps)
+        model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(x, y, batch_size=8, verbose=0)
+    except Exception as error:
+        print("collectives collided:", "Shape mismatch in the collective instance" in str(error))
+        print(f"{type(error).__name__}: {str(error).splitlines()[0][:400]}")
+        break
+"""
+
+
+@pytest.mark.parametrize("side", ["stock", "safe"])
+def test_a_second_mirrored_strategy_over_the_same_devices_is_named_as_the_cause(side):
+    done = subprocess.run([sys.executable, "-c", _TWO_STRATEGIES, side], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout.strip().splitlines()[-1]
+    if side == "stock":  # TensorFlow's own failure: stock Keras meets it the same way
+        assert printed.startswith("InvalidArgumentError: Graph execution error:")
+        assert "collectives collided: True" in done.stdout
+    else:
+        assert printed.startswith(
+            "RuntimeError: TensorFlow aborted an all-reduce whose number another strategy's all-reduce "
+            "of another shape had taken: two MirroredStrategy objects over the same devices"
+        )
+        assert "Create one MirroredStrategy per process and build every model in its scope" in printed

@@ -8,6 +8,8 @@ numerator/denominator rule in `_loss`, the epoch boundary) is in
 keras_safe_dist/model.py; JAX's step is in keras_safe_dist/backend/jax/trainer.py.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -79,6 +81,18 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
                 _xla.check_model(self)
                 self._xla_replicas = True
             self.jit_compile = False
+
+    def fit(self, *args, **kwargs):
+        with _collectives_named():
+            return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with _collectives_named():
+            return super().evaluate(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        with _collectives_named():
+            return super().train_on_batch(*args, **kwargs)
 
     def _check_fit_data(self, x, batch_size):
         self._check_placement("SafeDistributedModel.fit()")
@@ -328,3 +342,30 @@ def _check_sparse_split(replicas, x, batch_size):
             f"least {replicas} samples in the last batch, or drop the "
             f"remainder (e.g. train on the first {samples - last} samples)."
         )
+
+
+_COLLECTIVES_COLLIDED = "Shape mismatch in the collective instance"
+
+
+@contextlib.contextmanager
+def _collectives_named():
+    """Says what TensorFlow's collective shape mismatch means, and what to do.
+
+    Each `MirroredStrategy` numbers its collectives from the same start; two
+    strategies over the same devices in one process then give the same
+    number to collectives of different shapes, and TensorFlow aborts them.
+    Stock Keras fails the same way (two models of different sizes under two
+    strategies); a second `gradient_accumulation_steps` is one such change.
+    """
+    try:
+        yield
+    except tf.errors.InvalidArgumentError as error:
+        if _COLLECTIVES_COLLIDED not in str(error):
+            raise
+        raise RuntimeError(
+            "TensorFlow aborted an all-reduce whose number another strategy's all-reduce "
+            "of another shape had taken: two MirroredStrategy objects over the same devices "
+            "in one process number their collectives alike, so stock Keras fails here too. "
+            "Create one MirroredStrategy per process and build every model in its scope "
+            f"(TensorFlow said: {_COLLECTIVES_COLLIDED} ...)."
+        ) from error
