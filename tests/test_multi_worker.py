@@ -135,8 +135,11 @@ def test_killed_worker_resumes_from_backup_and_matches_uninterrupted_run(tmp_pat
     assert killed.is_set(), [line for _, line in lines][-20:]
     assert codes[1] != 0 and codes[0] != 0  # the survivor was killed with the group
     assert json.loads((backup / "training_metadata.json").read_text())["epoch"] == 1
-    # The killed non-chief worker's own copy stays under the backup directory.
-    assert sorted(p.name for p in backup.iterdir()) == ["epoch_1.weights.h5", "training_metadata.json", "worker_1"]
+    # The killed non-chief worker's own copy stays under the backup directory, and the
+    # killed chief's lock, which the resumed run takes over (its process is gone).
+    assert sorted(p.name for p in backup.iterdir()) == [
+        ".keras_safe_dist.lock", "epoch_1.weights.h5", "training_metadata.json", "worker_1"
+    ]
 
     codes, results, lines = run_workers(args)
     assert codes == [0, 0], [line for _, line in lines][-20:]
