@@ -79,19 +79,22 @@ class TfSummaryPoints:
         )
 
     def point(self, step, logs):
-        values = [
-            summary_pb2.Summary.Value(
-                tag=f"{UPDATE_PREFIX}/{name}",
-                metadata=self.metadata.pop(name, None),
-                tensor=self._float_tensor(logs[name]),
-            )
-            for name in STATISTICS
-        ]
+        values = _values(self.metadata, logs, self._float_tensor)
         with self.writer.as_default():
             tf.summary.experimental.write_raw_pb(summary_pb2.Summary(value=values).SerializeToString(), step=step)
 
     def flush(self):
         self.writer.flush()
+
+
+def _values(metadata, logs, float_tensor):
+    """A point's values, as the Dashboard builds them; each description sent once."""
+    return [
+        summary_pb2.Summary.Value(
+            tag=f"{UPDATE_PREFIX}/{name}", metadata=metadata.pop(name, None), tensor=float_tensor(logs[name])
+        )
+        for name in STATISTICS
+    ]
 
 
 class EventsPoints:
@@ -102,15 +105,7 @@ class EventsPoints:
         self.metadata = _metadata()
 
     def point(self, step, logs):
-        values = [
-            summary_pb2.Summary.Value(
-                tag=f"{UPDATE_PREFIX}/{name}",
-                metadata=self.metadata.pop(name, None),
-                tensor=_events.float_tensor(logs[name]),
-            )
-            for name in STATISTICS
-        ]
-        self.writer.write(step, values)
+        self.writer.write(step, _values(self.metadata, logs, _events.float_tensor))
 
     def flush(self):
         self.writer.flush()
