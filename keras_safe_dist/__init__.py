@@ -1,4 +1,4 @@
-"""keras_safe_dist: correct, observable data-parallel Keras training on TensorFlow."""
+"""keras_safe_dist: correct, observable data-parallel Keras training on TensorFlow and JAX."""
 
 import importlib
 import os

@@ -2,7 +2,10 @@
 
 `Trainer` is the mixin of the backend Keras runs on:
 keras_safe_dist/backend/tensorflow/trainer.py or keras_safe_dist/backend/jax/trainer.py.
-The JAX module (and jax) is imported only on the JAX backend.
+Each backend's folder holds every part of its step (its update, its private APIs, its
+NaN checks) and is imported on that backend only: TensorFlow's never on JAX, jax's
+never on TensorFlow. The rule they share lives outside (`_loss.py`, `_stats.py`,
+`model.py`); `tests/test_layout.py` checks the split.
 """
 
 import keras
