@@ -27,6 +27,11 @@ def _holder():
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
 
 
+def _this_process(holder):
+    """Whether `holder` (a lock's record, or None) is this process."""
+    return holder is not None and holder["pid"] == os.getpid() and holder.get("host") == socket.gethostname()
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
@@ -71,9 +76,8 @@ def acquire(folder, who):
                 # Being written by its creator this instant, or damaged: look again.
                 time.sleep(0.05)
                 holder = _read(path)
-            ours = holder is not None and holder["pid"] == mine["pid"] and holder.get("host") == mine["host"]
             stale = holder is None or (holder.get("host") == mine["host"] and not _alive(holder["pid"]))
-            if not (ours or stale):
+            if not (_this_process(holder) or stale):
                 started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
                 raise FolderInUse(
                     f"{who} cannot use {folder!r}: another run holds it (process {holder['pid']} "
@@ -97,8 +101,7 @@ def acquire(folder, who):
 
 def release(path):
     """Removes the lock at `path` if this process holds it."""
-    holder = _read(path)
-    if holder is not None and holder["pid"] == os.getpid() and holder.get("host") == socket.gethostname():
+    if _this_process(_read(path)):
         try:
             os.remove(path)
         except FileNotFoundError:

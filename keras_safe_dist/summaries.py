@@ -21,6 +21,7 @@ import os
 import threading
 
 from keras_safe_dist import _events
+from keras_safe_dist import _files
 from keras_safe_dist import _json
 from keras_safe_dist import _warnings
 from keras_safe_dist.distributed import is_chief
@@ -126,7 +127,7 @@ def _close_writers():
 def _writer(log_dir, who):
     """The log directory's event file writer, kept open for the next write."""
     log_dir = os.fspath(log_dir)
-    remote = "://" in log_dir
+    remote = _files.remote(log_dir)
     key = log_dir if remote else os.path.abspath(log_dir)
     with _WRITERS_LOCK:
         writer = _WRITERS.get(key)
