@@ -73,10 +73,13 @@ def main(argv=None):
 def _add_launch(commands):
     launch = commands.add_parser(
         "launch",
-        help="run a script as several local MultiWorkerMirroredStrategy workers",
+        help="run a script as several local workers (TensorFlow or JAX)",
         description=(
             "Runs SCRIPT as N local workers with free ports and a TF_CONFIG "
-            "each (they find each other at 127.0.0.1), prefixes their output "
+            "each (--backend tensorflow, MultiWorkerMirroredStrategy) or "
+            "Keras's KERAS_DISTRIBUTION_* variables and gloo CPU collectives "
+            "(--backend jax, jax.distributed); they find each other at "
+            "127.0.0.1. It prefixes their output "
             "with the worker index, and kills every worker's process group "
             "when one fails, the timeout passes, or the launcher gets SIGINT, "
             "SIGTERM or SIGHUP. Exit status: 0, the first failing worker's "
@@ -88,6 +91,7 @@ def _add_launch(commands):
     )
     launch.add_argument("--workers", type=_positive_int, default=2, help="number of workers (default 2)")
     launch.add_argument("--timeout", type=_positive_int, default=600, help="seconds before all workers are killed (default 600)")
+    launch.add_argument("--backend", choices=launch_module.BACKENDS, default="tensorflow", help="what the workers train with (default tensorflow)")
     launch.add_argument("script", help="Python script each worker runs")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -95,7 +99,11 @@ def _add_launch(commands):
 def _launch(args):
     try:
         return launch_module.launch(
-            args.script, workers=args.workers, args=args.script_args, timeout=args.timeout
+            args.script,
+            workers=args.workers,
+            args=args.script_args,
+            timeout=args.timeout,
+            backend=args.backend,
         )
     except (FileNotFoundError, ValueError) as error:
         print(f"keras-safe-dist launch: {error}", file=sys.stderr)

@@ -1,8 +1,63 @@
-"""Who is who in a multi-worker cluster."""
+"""Who is who in a multi-worker cluster, and joining one on JAX."""
 
 import keras
 
 from keras_safe_dist._lazy import tensorflow as tf
+
+
+def initialize(coordinator_address=None, num_processes=None, process_id=None, timeout=60):
+    """Joins a multi-process JAX run, with every wait bounded by `timeout`.
+
+    Call it instead of `keras.distribution.initialize()`, first thing in the
+    script, on every process. It reads the same settings: the arguments, else
+    Keras's variables `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the first address is
+    the coordinator, process 0), `KERAS_DISTRIBUTION_NUM_PROCESSES` and
+    `KERAS_DISTRIBUTION_PROCESS_ID`, else what jax finds by itself (Slurm,
+    Open MPI, Kubernetes, Cloud TPU). CPU devices exchange data over gloo.
+
+    Beyond Keras's call: a process that cannot join within `timeout` seconds
+    (a wrong address or process count, a coordinator that is not running)
+    raises; and once joined, when any process fails (raises out of `fit()`,
+    `evaluate()` or `predict()`, exits, or is killed), every other process
+    prints which one and exits with status 1 within `timeout` seconds, instead
+    of waiting in a collective for good. See docs/scaling_out.md.
+
+    Args:
+        coordinator_address: `"host:port"` of process 0.
+        num_processes: how many processes the run has.
+        process_id: this process's index, 0 to `num_processes - 1`.
+        timeout: seconds, integer >= 10: the bound on joining, on noticing
+            a dead process and on shutting down.
+
+    Returns:
+        `(process_id, num_processes)`.
+
+    Raises:
+        ValueError: for a bad argument or variable, or on TensorFlow's backend
+            (`tf.distribute.MultiWorkerMirroredStrategy` reads `TF_CONFIG`).
+        RuntimeError: when this process could not join within `timeout`.
+
+    Example:
+
+    ```python
+    import keras_safe_dist
+
+    keras_safe_dist.initialize()  # before any other JAX call
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    ```
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 10:
+        raise ValueError(f"`timeout` must be an integer >= 10 (seconds). Received: timeout={timeout!r}")
+    if keras.backend.backend() != "jax":
+        raise ValueError(
+            "`keras_safe_dist.initialize()` starts a multi-process JAX run. On "
+            f"Keras's {keras.backend.backend()!r} backend, use "
+            "`tf.distribute.MultiWorkerMirroredStrategy()` with a `TF_CONFIG` instead "
+            "(see docs/scaling_out.md), or set KERAS_BACKEND=jax."
+        )
+    from keras_safe_dist.backend.jax import processes
+
+    return processes.initialize(coordinator_address, num_processes, process_id, timeout)
 
 
 def is_chief(strategy=None):
@@ -27,7 +82,7 @@ def is_chief(strategy=None):
     """
     if strategy is None and keras.backend.backend() == "jax":
         # No tf.distribute cluster on JAX: the chief is process 0.
-        return _jax_process()[0] == 0
+        return jax_process()[0] == 0
     task_type, task_id, cluster = _task(strategy)
     if task_type is None:
         return True
@@ -50,7 +105,7 @@ def strategy_of(model):
 def worker_name(strategy=None):
     """`"<task type>_<index>"` in a cluster (`"process_<index>"` on JAX), `"chief"` in one process."""
     if strategy is None and keras.backend.backend() == "jax":
-        index, count = _jax_process()
+        index, count = jax_process()
         return "chief" if count == 1 else f"process_{index}"
     task_type, task_id, _ = _task(strategy)
     return "chief" if task_type is None else f"{task_type}_{task_id}"
@@ -64,7 +119,7 @@ def _task(strategy):
     return resolver.task_type, resolver.task_id, resolver.cluster_spec().as_dict()
 
 
-def _jax_process():
+def jax_process():
     """This process's index and the process count under `jax.distributed`."""
     import jax  # the JAX backend only: Keras imported it already
 

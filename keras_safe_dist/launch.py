@@ -29,7 +29,10 @@ import uuid
 from keras_safe_dist import _json
 from keras_safe_dist import _reaper
 
-__all__ = ["WorkerGroup", "free_ports", "launch", "max_workers", "shell_status", "tf_config"]
+__all__ = [
+    "BACKENDS", "WorkerGroup", "free_ports", "jax_env", "launch", "max_workers", "shell_status",
+    "tf_config",
+]
 
 _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
 
@@ -152,6 +155,43 @@ def free_ports(count):
             sock.close()
 
 
+def jax_env(ports, index):
+    """The environment of process `index` among local JAX processes.
+
+    Keras's own variables, which `keras.distribution.initialize()` and
+    `keras_safe_dist.initialize()` read: the coordinator is process 0 at
+    127.0.0.1. CPU devices exchange data over gloo (jax has no CPU
+    collectives by default); accelerators keep their own.
+
+    Args:
+        ports: one port per process; process 0's is the coordinator's.
+        index: this process's index.
+
+    Returns:
+        A dict of environment variables.
+
+    Example:
+
+    ```python
+    jax_env([12345, 12346], index=1)
+    # {"KERAS_BACKEND": "jax",
+    #  "KERAS_DISTRIBUTION_JOB_ADDRESSES": "127.0.0.1:12345,127.0.0.1:12346",
+    #  "KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": "1",
+    #  "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"}
+    ```
+    """
+    return {
+        "KERAS_BACKEND": "jax",
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": ",".join(f"127.0.0.1:{port}" for port in ports),
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": str(len(ports)),
+        "KERAS_DISTRIBUTION_PROCESS_ID": str(index),
+        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+    }
+
+
+BACKENDS = ("tensorflow", "jax")
+
+
 def tf_config(ports, index):
     """The `TF_CONFIG` of worker `index` in a cluster of local workers.
 
@@ -183,7 +223,8 @@ class WorkerGroup:
     """Local worker processes of one cluster, started and stopped together.
 
     Each worker runs `python script *args` (or `python -m module *args`) with
-    its own `TF_CONFIG`, in its own process group, which `kill()` ends with
+    its own `TF_CONFIG` (TensorFlow) or Keras's `KERAS_DISTRIBUTION_*`
+    variables (JAX, see `jax_env`), in its own process group, which `kill()` ends with
     every process the worker started. Output lines are passed to
     `on_line(index, line)`, which by default prints them with a `[worker i]`
     prefix; bytes that are not UTF-8 become replacement characters.
@@ -198,6 +239,8 @@ class WorkerGroup:
         on_line: called with (worker index, output line without newline).
         module: name of a module every worker runs with `python -m`, instead
             of `script`.
+        backend: `"tensorflow"` (a `TF_CONFIG` per worker) or `"jax"`
+            (Keras's variables for `jax.distributed`).
 
     While the group runs, a watcher process kills every worker's group if
     the launcher dies without stopping them (killed with SIGKILL, say).
@@ -205,7 +248,8 @@ class WorkerGroup:
     Raises:
         ValueError: when `workers` is not an integer >= 1 or more than this
             machine can run (see `max_workers`; checked before any port is
-            bound), or not exactly one of `script` and `module` is given.
+            bound), not exactly one of `script` and `module` is given, or
+            `backend` is not one of `BACKENDS`.
         FileNotFoundError: when `script` is not a file.
 
     Example:
@@ -216,7 +260,14 @@ class WorkerGroup:
     ```
     """
 
-    def __init__(self, script, workers=2, args=(), env=None, on_line=None, module=None):
+    def __init__(
+        self, script, workers=2, args=(), env=None, on_line=None, module=None, backend="tensorflow"
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"`backend` must be one of {', '.join(map(repr, BACKENDS))}. "
+                f"Received: backend={backend!r}"
+            )
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(
                 f"`workers` must be an integer >= 1. Received: workers={workers!r}"
@@ -239,6 +290,7 @@ class WorkerGroup:
             )
         self.script = script
         self.module = module
+        self.backend = backend
         self.workers = workers
         self.args = [str(a) for a in args]
         self.env = dict(env or {})
@@ -255,7 +307,7 @@ class WorkerGroup:
         self.launch_id = uuid.uuid4().hex
 
     def start(self):
-        """Starts every worker, each with its own `TF_CONFIG` on a free port.
+        """Starts every worker, each with its own `TF_CONFIG` (or JAX variables) on a free port.
 
         Returns:
             This group, so that `WorkerGroup(...).start()` can be assigned.
@@ -277,7 +329,11 @@ class WorkerGroup:
         )
         self._tell_reaper(f"mark {self.launch_id}")
         for index in range(self.workers):
-            env = dict(os.environ, **self.env, TF_CONFIG=tf_config(ports, index))
+            if self.backend == "jax":
+                cluster = jax_env(ports, index)
+            else:
+                cluster = {"TF_CONFIG": tf_config(ports, index)}
+            env = dict(os.environ, **self.env, **cluster)
             env[_reaper.MARK] = self.launch_id
             env.setdefault("PYTHONUNBUFFERED", "1")
             process = subprocess.Popen(
@@ -421,7 +477,7 @@ class _Stopped(Exception):
         self.signum = signum
 
 
-def launch(script, workers=2, args=(), timeout=600, env=None):
+def launch(script, workers=2, args=(), timeout=600, env=None, backend="tensorflow"):
     """Runs `script` as `workers` local workers and returns one exit status.
 
     SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher kill every worker's
@@ -439,6 +495,7 @@ def launch(script, workers=2, args=(), timeout=600, env=None):
         args: extra command-line arguments for the script.
         timeout: seconds to wait for all the workers before killing them.
         env: extra environment variables for every worker.
+        backend: `"tensorflow"` or `"jax"`; see `WorkerGroup`.
 
     Returns:
         0 when every worker succeeded; else, as a shell reports it, the exit
@@ -461,7 +518,7 @@ def launch(script, workers=2, args=(), timeout=600, env=None):
     """
     deadline = time.monotonic() + timeout
     for attempt in (1, 2):
-        group = WorkerGroup(script, workers=workers, args=args, env=env)
+        group = WorkerGroup(script, workers=workers, args=args, env=env, backend=backend)
         with _stop_on_signals():
             try:
                 group.start()

@@ -11,6 +11,7 @@ from keras_safe_dist import _compat
 from keras_safe_dist import _lazy
 from keras_safe_dist import _validate
 from keras_safe_dist import _warnings
+from keras_safe_dist import distributed
 from keras_safe_dist import nan
 from keras_safe_dist.audits import scope as _scope
 from keras_safe_dist.backend import Trainer
@@ -793,8 +794,12 @@ def _check_has_samples(method, x):
 
     Stock Keras runs no step and returns an empty History (or list) then,
     or fails in `predict()`. Datasets of unknown length and generators are
-    not read ahead.
+    not read ahead. With several JAX processes, one process may hold no
+    samples while others do: the processes check the global batch together
+    (backend/jax/_shares.py).
     """
+    if keras.backend.backend() == "jax" and distributed.jax_process()[1] > 1:
+        return
     # A tf.data.Dataset only where TensorFlow was imported (a JAX user has none).
     if _lazy.loaded("tensorflow") and isinstance(x, _lazy.tensorflow.data.Dataset):
         if int(x.cardinality()) != 0:

@@ -34,6 +34,42 @@ def test_free_ports_are_distinct_and_tf_config_names_loopback_only():
     assert config["task"] == {"type": "worker", "index": 2}
 
 
+def test_jax_backend_gives_each_process_kerass_variables_and_gloo(tmp_path, capsys):
+    path = tmp_path / "process.py"
+    path.write_text(
+        "import os\n"
+        "names = ['KERAS_BACKEND', 'KERAS_DISTRIBUTION_JOB_ADDRESSES', 'KERAS_DISTRIBUTION_NUM_PROCESSES',\n"
+        "         'KERAS_DISTRIBUTION_PROCESS_ID', 'JAX_CPU_COLLECTIVES_IMPLEMENTATION', 'TF_CONFIG']\n"
+        "print(' '.join(f'{n}={os.environ.get(n)}' for n in names))\n"
+    )
+    assert cli.main(["launch", "--backend", "jax", "--workers", "2", str(path)]) == 0
+    lines = sorted(capsys.readouterr().out.splitlines())
+    addresses = lines[0].split("KERAS_DISTRIBUTION_JOB_ADDRESSES=")[1].split()[0]
+    assert [a.split(":")[0] for a in addresses.split(",")] == ["127.0.0.1", "127.0.0.1"]
+    for index, line in enumerate(lines):
+        assert line == (
+            f"[worker {index}] KERAS_BACKEND=jax KERAS_DISTRIBUTION_JOB_ADDRESSES={addresses} "
+            f"KERAS_DISTRIBUTION_NUM_PROCESSES=2 KERAS_DISTRIBUTION_PROCESS_ID={index} "
+            "JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo TF_CONFIG=None"
+        )
+
+
+def test_an_unknown_backend_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["launch", "--backend", "torch", "x.py"])
+    assert exit_info.value.code == 2
+    assert "argument --backend: invalid choice: 'torch' (choose from" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="`backend` must be one of 'tensorflow', 'jax'. Received: backend='torch'"):
+        WorkerGroup(str(tmp_path), backend="torch")
+
+
+def test_initialize_on_tensorflow_points_to_multi_worker_mirrored_strategy():
+    import keras_safe_dist
+
+    with pytest.raises(ValueError, match="use `tf.distribute.MultiWorkerMirroredStrategy\\(\\)` with a `TF_CONFIG` instead"):
+        keras_safe_dist.initialize()
+
+
 def test_launch_prefixes_each_workers_output(tmp_path, capsys):
     path = script(tmp_path, "print(f'hello from {index}')\n")
     assert cli.main(["launch", "--workers", "3", path]) == 0

@@ -9,6 +9,7 @@ import contextlib
 
 import jax
 from keras.src.backend.jax import distribution_lib as _keras_jax_distribution_lib
+from keras.src.backend.jax import trainer as _keras_jax_trainer
 from keras.src.distribution import TensorLayout
 
 
@@ -25,6 +26,45 @@ def losses_override(model, losses):
         yield
     finally:
         model._losses_override.clear()
+
+
+def epoch_iterator_class():
+    """Keras's JAX epoch iterator: it batches the data and places each batch on the devices."""
+    return _keras_jax_trainer.JAXEpochIterator
+
+
+@contextlib.contextmanager
+def epoch_iterator_replaced(cls):
+    """While open, Keras's JAX `fit()`, `evaluate()` and `predict()` iterate with `cls`.
+
+    Keras looks the class up in its trainer module at each call. Re-entrant
+    (`fit()` calls `evaluate()` for validation); restores Keras's class on exit.
+    """
+    original = _keras_jax_trainer.JAXEpochIterator
+    _keras_jax_trainer.JAXEpochIterator = cls
+    try:
+        yield
+    finally:
+        _keras_jax_trainer.JAXEpochIterator = original
+
+
+def coordination_client():
+    """jax's client of the coordination service's key-value store; None in one process.
+
+    Private to jax (`jax._src.distributed`), unchanged from jax 0.10 to 0.12:
+    `key_value_set(key, value, allow_overwrite=False)`, `key_value_try_get(key)`.
+    """
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def initialize_rng():
+    """What `keras.distribution.initialize()` does after `jax.distributed.initialize()`.
+
+    Agrees on one seed for Keras's global random generator across processes.
+    """
+    _keras_jax_distribution_lib.initialize_rng()
 
 
 def jax_data_placement():

@@ -27,6 +27,8 @@ from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import statistics
 from keras_safe_dist.backend.jax import _compat as _jax_compat
+from keras_safe_dist.backend.jax import _shares
+from keras_safe_dist.backend.jax import _watchdog
 from keras_safe_dist.backend.jax._update import JAXUpdateEngine
 
 
@@ -73,17 +75,46 @@ class JAXTrainer(_compat.EpochEndOverride):
     # Every way data enters Keras's JAX trainer: batches the data axis does
     # not divide are placed whole on each device.
 
+    # With several processes, each passes its own data: they agree on each
+    # step's global batch first (see `_shares`).
+
     def fit(self, *args, **kwargs):
-        with _jax_compat.uneven_batches_replicated():
+        with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        with _jax_compat.uneven_batches_replicated():
+        with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
-        with _jax_compat.uneven_batches_replicated():
+        if jax.process_count() > 1 and self.steps_per_execution != 1:
+            raise ValueError(
+                "With several processes, predict() runs one step per execution, so "
+                "that each process gets its own rows back. Received: "
+                f"steps_per_execution={self.steps_per_execution}. Compile with "
+                "steps_per_execution=1 for predict()."
+            )
+        with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().predict(*args, **kwargs)
+
+    def make_predict_function(self, force=False):
+        super().make_predict_function(force)
+        function = self.predict_function
+        if jax.process_count() == 1 or getattr(function, "_local_rows", False):
+            return function
+
+        def predict_function(state, iterator):
+            # Each process gets back its own rows of the global batch.
+            outputs, state = function(state, iterator)
+            sizes, process = _shares.last_step()
+            rows = keras.tree.map_structure(
+                lambda output: _shares.local_rows(output, sizes, process), outputs
+            )
+            return rows, state
+
+        predict_function._local_rows = True
+        self.predict_function = predict_function
+        return predict_function
 
     def train_on_batch(self, *args, **kwargs):
         with _jax_compat.uneven_batches_replicated():
@@ -236,6 +267,17 @@ class JAXTrainer(_compat.EpochEndOverride):
 
     def _update_log_names(self):
         return statistics.LOG_NAMES if self._stats_logged else ()
+
+
+@contextlib.contextmanager
+def _failures_reported():
+    """With several processes, an exception here ends the others (see `_watchdog`)."""
+    try:
+        yield
+    except BaseException as error:
+        if jax.process_count() > 1:
+            _watchdog.report_failure(error)
+        raise
 
 
 class _Recorded:

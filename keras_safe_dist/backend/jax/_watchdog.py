@@ -1,0 +1,162 @@
+"""Ends this process when another process of a multi-process JAX run failed.
+
+A process stuck in a collective does not end by itself while its peers stay
+alive outside it (one raised and waits in jax's shutdown barrier, say), and
+Python cannot interrupt it: signal handlers run only between bytecodes. A
+thread can: `os._exit` ends the whole process at once.
+
+The processes share a key-value store (jax's coordination service, run by
+process 0). Each process's watchdog thread here:
+
+- beats: writes a counter under `keras_safe_dist/alive/<process>` every
+  `_BEAT` seconds;
+- watches: reads `keras_safe_dist/failed`, which the first process to fail
+  writes ("process 1: RuntimeError: ..."), and when another process wrote
+  it, prints it and exits with status 1.
+
+A process fails when an exception leaves `fit()`, `evaluate()` or
+`predict()` (`report_failure`, called by the JAX trainer) or ends the
+script (`sys.excepthook`); it then exits with status 1 too, skipping jax's
+shutdown barrier, where it would wait for peers that are ending. When the
+exception came from a collective whose peer is gone (killed, exited), the
+failure names the process that stopped beating, not this one.
+
+What this does not cover: process 0 killed takes the store with it, and jax
+itself ends every other process within about 0.1 s, naming the coordinator
+("the leader task"); a process killed with SIGKILL is noticed by the others
+within `timeout` seconds (jax's heartbeat, or the collective failing).
+"""
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+import jax
+
+from keras_safe_dist.backend.jax import _compat as _jax_compat
+
+_FAILED = "keras_safe_dist/failed"
+_ALIVE = "keras_safe_dist/alive/"
+_BEAT = 1.0  # seconds between beats, and between reads of the failure key
+_SILENT = 5.0  # seconds without a beat after which a process counts as gone
+
+_state = {"thread": None, "failed_here": False}
+
+
+def start(timeout):
+    """Starts the watchdog thread (once per process); installs the exit hooks."""
+    if _state["thread"] is not None or jax.process_count() == 1:
+        return
+    thread = threading.Thread(target=_watch, name="keras_safe_dist watchdog", daemon=True)
+    _state["thread"] = thread
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        previous(kind, value, traceback)
+        report_failure(value)
+
+    sys.excepthook = excepthook
+    # Registered after jax's own shutdown hook, so it runs first.
+    atexit.register(_exit_if_failed)
+    thread.start()
+
+
+def report_failure(error):
+    """Tells every process that this one failed with `error`; the first failure wins.
+
+    Where another process failed first (its failure, or its death, is often
+    what raised `error` here: a collective whose peer left), this process
+    prints that failure and exits with status 1 at once.
+    """
+    client = _jax_compat.coordination_client()
+    if client is None or _state["failed_here"]:
+        return
+    _state["failed_here"] = True
+    process = jax.process_index()
+    _end_if_another_failed(client, process)
+    culprit = _silent_process(client, process)
+    if culprit is not None:
+        text = f"process {culprit}: stopped answering (killed or exited); process {process} saw: {_first_line(error)}"
+    else:
+        text = f"process {process}: {type(error).__name__}: {_first_line(error)}"
+    try:
+        client.key_value_set(_FAILED, text)
+    except Exception:
+        _end_if_another_failed(client, process)  # another process wrote it first
+    if culprit is not None:
+        _end(text, process)
+
+
+def _end_if_another_failed(client, process):
+    try:
+        text = client.key_value_try_get(_FAILED)
+    except Exception:
+        return
+    if not text.startswith(f"process {process}:"):
+        _end(text, process)
+
+
+def _end(text, process):
+    print(
+        f"keras_safe_dist: {text}. Ending process {process} too (exit status 1), "
+        "rather than waiting for it in a collective.",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _exit_if_failed():
+    if _state["failed_here"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _watch():
+    client = _jax_compat.coordination_client()
+    process = jax.process_index()
+    beat = 0
+    while True:
+        beat += 1
+        try:
+            client.key_value_set(f"{_ALIVE}{process}", str(beat), allow_overwrite=True)
+            text = client.key_value_try_get(_FAILED)
+        except Exception:
+            text = None  # not written yet (or the store is going: jax ends us)
+        if text is not None and not text.startswith(f"process {process}:") and not _state["failed_here"]:
+            _end(text, process)
+        time.sleep(_BEAT)
+
+
+def _silent_process(client, process):
+    """A process whose beats stopped, watched for `_SILENT` seconds; None when all beat."""
+    others = [p for p in range(jax.process_count()) if p != process]
+    first = _beats(client, others)
+    deadline = time.monotonic() + _SILENT
+    while time.monotonic() < deadline:
+        time.sleep(_BEAT)
+        now = _beats(client, others)
+        if all(now[p] != first[p] for p in others):
+            return None
+    now = _beats(client, others)
+    silent = [p for p in others if now[p] == first[p]]
+    return silent[0] if silent else None
+
+
+def _beats(client, processes):
+    beats = {}
+    for p in processes:
+        try:
+            beats[p] = client.key_value_try_get(f"{_ALIVE}{p}")
+        except Exception:
+            beats[p] = None
+    return beats
+
+
+def _first_line(error):
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""

@@ -1,0 +1,113 @@
+"""Starting this process's part of a multi-process JAX run, with every wait bounded.
+
+`keras_safe_dist.initialize()` (keras_safe_dist/distributed.py) lands here on
+JAX. It does what `keras.distribution.initialize()` does (join
+`jax.distributed`, agree on Keras's random seed) with jax's timeouts set to
+one bound instead of its defaults (300 s to start, 100 s to notice a dead
+process, 300 s to shut down), chooses gloo collectives for CPU devices, and
+starts the watchdog (`_watchdog.py`) that ends this process when another one
+fails.
+"""
+
+import os
+import socket
+import sys
+import time
+
+import jax
+
+from keras_safe_dist.backend.jax import _compat as _jax_compat
+from keras_safe_dist.backend.jax import _watchdog
+
+# Keras's own variables (keras.distribution.initialize reads the same).
+ADDRESSES = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
+COUNT = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+INDEX = "KERAS_DISTRIBUTION_PROCESS_ID"
+
+
+def initialize(coordinator_address=None, num_processes=None, process_id=None, timeout=60):
+    """Joins `jax.distributed`; see `keras_safe_dist.initialize`."""
+    coordinator_address = coordinator_address or _coordinator(os.environ.get(ADDRESSES))
+    num_processes = _integer("num_processes", num_processes, COUNT)
+    process_id = _integer("process_id", process_id, INDEX)
+    if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"`process_id` must be in [0, num_processes - 1] = [0, {num_processes - 1}]. "
+            f"Received: process_id={process_id}, num_processes={num_processes}"
+        )
+    if coordinator_address and process_id:
+        _wait_for_coordinator(coordinator_address, process_id, timeout)
+    if num_processes is not None:
+        # jax ends a process that cannot register in time from C++, with no
+        # Python exception: this line says what it was waiting for.
+        print(
+            f"keras_safe_dist: process {process_id} joining a run of {num_processes} "
+            f"processes at {coordinator_address} (waiting up to {timeout} s for all of them)",
+            file=sys.stderr,
+            flush=True,
+        )
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        # jax has no collectives between CPU devices of different processes
+        # by default; accelerators keep their own (NCCL, ICI).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=timeout,
+            heartbeat_timeout_seconds=timeout,
+            shutdown_timeout_seconds=timeout,
+        )
+    except Exception as error:
+        raise RuntimeError(
+            f"This process (process_id={process_id}) could not join the run within "
+            f"{timeout} s: coordinator {coordinator_address!r}, {num_processes} processes. "
+            "Check that every process was started with the same coordinator address "
+            "and process count, each with its own process_id, and that process 0 "
+            f"(the coordinator) is running. jax said: {error}"
+        ) from error
+    _jax_compat.initialize_rng()
+    _watchdog.start(timeout)
+    return jax.process_index(), jax.process_count()
+
+
+def _wait_for_coordinator(address, process_id, timeout):
+    """Returns once process 0's coordination service accepts connections; raises after `timeout` s."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
+                return
+        except (OSError, ValueError) as error:
+            if time.monotonic() > deadline or isinstance(error, ValueError):
+                raise RuntimeError(
+                    f"Process {process_id} could not reach the coordinator (process 0) at "
+                    f"{address!r} within {timeout} s ({error}). Start process 0 with the "
+                    "same address, or correct KERAS_DISTRIBUTION_JOB_ADDRESSES (its first "
+                    "address is process 0's)."
+                ) from error
+            time.sleep(0.5)
+
+
+def _coordinator(addresses):
+    if not addresses:
+        return None
+    return addresses.split(",")[0].strip()
+
+
+def _integer(name, value, variable):
+    source = f"{name}={value!r}"
+    if value is None:
+        value = os.environ.get(variable)
+        if value is None:
+            return None
+        source = f"{variable}={value!r}"
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < 0 or isinstance(value, bool):
+        raise ValueError(f"`{name}` must be an integer >= 0. Received: {source}")
+    return number

@@ -1,0 +1,236 @@
+"""Several JAX processes, each feeding its own shard: exact, and never a hang.
+
+Each run starts real processes on 127.0.0.1 (tests_jax/processes/shards.py)
+with hard timeouts; the reference is stock Keras on one device trained on
+the same global batches (process 0's rows of each step, then process 1's...).
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from keras_safe_dist import launch
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "processes", "shards.py")
+TIMEOUT = 20  # keras_safe_dist.initialize(timeout=...) in the failure tests
+HARD = 150  # no run of these tests may take longer
+
+
+def _env(extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KERAS_DISTRIBUTION_", "SLURM_"))}
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+def _start(out, sizes, *options, environments):
+    processes = []
+    for index, extra in enumerate(environments):
+        log = open(os.path.join(out, f"log_{index}.txt"), "wb")
+        processes.append(subprocess.Popen(
+            [sys.executable, SCRIPT, str(out), sizes, *options],
+            env=_env(extra), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        ))
+    return processes
+
+
+def _wait(processes, limit=HARD):
+    """Exit codes and end times; kills every process group left after `limit` seconds."""
+    deadline = time.monotonic() + limit
+    ends = [None] * len(processes)
+    while any(end is None for end in ends) and time.monotonic() < deadline:
+        for i, process in enumerate(processes):
+            if ends[i] is None and process.poll() is not None:
+                ends[i] = time.time()
+        time.sleep(0.05)
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return [p.returncode for p in processes], ends
+
+
+def _run(out, sizes, *options):
+    count = len(sizes.split(","))
+    ports = launch.free_ports(count)
+    processes = _start(out, sizes, *options, environments=[launch.jax_env(ports, i) for i in range(count)])
+    codes, _ = _wait(processes)
+    logs = [_log(out, i) for i in range(count)]
+    assert codes == [0] * count, logs
+    return logs
+
+
+def _reference(out, sizes, *options):
+    subprocess.run(
+        [sys.executable, SCRIPT, str(out), sizes, "--reference", *options],
+        env=_env(), check=True, timeout=HARD, capture_output=True,
+    )
+    return np.load(os.path.join(out, "reference.npz"))
+
+
+def _log(out, index):
+    with open(os.path.join(out, f"log_{index}.txt"), "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+def _relative(a, b):
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-12))
+
+
+def _assert_exact(out, sizes, reference):
+    count = len(sizes.split(","))
+    weights = [k for k in reference.files if k.startswith("arr_")]
+    offset = 0
+    for process in range(count):
+        got = np.load(os.path.join(out, f"process_{process}.npz"))
+        for key in weights:
+            assert _relative(got[key], reference[key]) <= 1e-5, (process, key)
+        assert _relative(got["evaluation"], reference["evaluation"]) <= 1e-5
+        rows = int(sizes.split(",")[process])
+        assert got["predictions"].shape[0] == rows  # its own rows, in order
+        expected = reference["predictions"][offset : offset + rows]
+        if rows:
+            assert _relative(got["predictions"], expected) <= 1e-5
+        offset += rows
+
+
+@pytest.mark.parametrize(
+    "sizes, accumulation",
+    [("32,33", 2), ("30,31,35", 1), ("30,0,35", 1)],
+    ids=["2processes-32-33-accumulation", "3processes-30-31-35-batchnorm", "3processes-one-empty"],
+)
+def test_any_shard_sizes_match_one_device_on_the_global_batches(tmp_path, sizes, accumulation):
+    options = ("--accumulation", str(accumulation))
+    reference = _reference(tmp_path, sizes, *options)
+    _run(tmp_path, sizes, *options)
+    _assert_exact(tmp_path, sizes, reference)
+
+
+def test_no_samples_on_any_process_is_one_clear_error_everywhere(tmp_path):
+    ports = launch.free_ports(2)
+    processes = _start(tmp_path, "0,0", environments=[launch.jax_env(ports, i) for i in range(2)])
+    codes, _ = _wait(processes)
+    assert codes == [1, 1]
+    for index in range(2):
+        assert "No process has samples: each of the 2 processes received data that holds none" in _log(tmp_path, index)
+
+
+def _failure(out, option, limit=HARD):
+    ports = launch.free_ports(2)
+    processes = _start(
+        out, "32,33", option, "1:2", "--timeout", str(TIMEOUT),
+        environments=[launch.jax_env(ports, i) for i in range(2)],
+    )
+    codes, ends = _wait(processes, limit)
+    log = _log(out, 1)
+    failed_at = float(log.split("process 1 fails at step 2: ")[1].split()[0])
+    return codes, [end - failed_at for end in ends]
+
+
+def test_a_process_that_raises_ends_every_process_naming_it(tmp_path):
+    codes, after = _failure(tmp_path, "--fail")
+    assert codes == [1, 1]
+    assert max(after) < TIMEOUT
+    assert "RuntimeError: process 1 fails at step 2" in _log(tmp_path, 1)
+    assert (
+        "keras_safe_dist: process 1: RuntimeError: process 1 fails at step 2. "
+        "Ending process 0 too (exit status 1)"
+    ) in _log(tmp_path, 0)
+
+
+def test_a_killed_process_ends_every_other_within_the_bound_naming_it(tmp_path):
+    codes, after = _failure(tmp_path, "--die")
+    assert codes[1] == -signal.SIGKILL
+    assert codes[0] != 0
+    assert after[0] < TIMEOUT + 5
+    assert "process 1: stopped answering (killed or exited)" in _log(tmp_path, 0)
+
+
+def test_a_coordinator_that_is_not_running_is_a_clear_error_within_the_timeout(tmp_path):
+    ports = launch.free_ports(2)
+    started = time.time()
+    processes = _start(
+        tmp_path, "32,33", "--timeout", "10", environments=[launch.jax_env(ports, 1)]
+    )
+    codes, ends = _wait(processes, 60)
+    assert codes == [1]
+    assert ends[0] - started < 10 + 15  # the timeout, and Python's start-up
+    assert (
+        f"Process 1 could not reach the coordinator (process 0) at '127.0.0.1:{ports[0]}' within 10 s"
+    ) in _log(tmp_path, 0)
+
+
+def _free_slurm_port():
+    """A free port in the range jax derives Slurm's coordinator port from (61440-65535)."""
+    for port in range(65535 - 2**12 + 1, 65536):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip("no free port in 61440-65535")
+
+
+def test_a_slurm_environment_needs_no_launcher(tmp_path):
+    port = _free_slurm_port()
+    slurm = {
+        "SLURM_JOB_ID": str(port - (65535 - 2**12 + 1)),  # jax: port = 61440 + job id % 4096
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": "2",
+    }
+    environments = [dict(slurm, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) for i in range(2)]
+    reference = _reference(tmp_path, "32,33")
+    codes, _ = _wait(_start(tmp_path, "32,33", environments=environments))
+    assert codes == [0, 0], [_log(tmp_path, i) for i in range(2)]
+    _assert_exact(tmp_path, "32,33", reference)
+
+
+def test_a_killed_run_resumes_from_its_backup_to_the_uninterrupted_weights(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    full.mkdir(), cut.mkdir()
+    options = ("--accumulation", "2", "--timeout", str(TIMEOUT))
+    _run(full, "32,33", *options)
+    backup = str(tmp_path / "backup")
+    ports = launch.free_ports(2)
+    killed = _start(
+        cut, "32,33", *options, "--backup", backup, "--die", "1:2:1",  # epoch 2, step 3
+        environments=[launch.jax_env(ports, i) for i in range(2)],
+    )
+    codes, _ = _wait(killed)
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0
+    # Process 0's backup of epoch 1 (its lock is stale: a dead process held it).
+    kept = sorted(name for name in os.listdir(backup) if not name.endswith(".lock"))
+    assert kept == ["epoch_1.weights.h5", "process_1", "training_metadata.json"]
+    _run(cut, "32,33", *options, "--backup", backup)  # the same command again
+    assert not os.path.exists(backup)  # removed once training ended
+    for process in range(2):
+        resumed = np.load(cut / f"process_{process}.npz")
+        uninterrupted = np.load(full / f"process_{process}.npz")
+        for key in uninterrupted.files:
+            np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, environment, message",
+    [
+        ({"timeout": 5}, {}, "`timeout` must be an integer >= 10 (seconds). Received: timeout=5"),
+        ({"num_processes": 2, "process_id": 2}, {}, "`process_id` must be in [0, num_processes - 1] = [0, 1]. Received: process_id=2"),
+        ({}, {"KERAS_DISTRIBUTION_PROCESS_ID": "one"}, "`process_id` must be an integer >= 0. Received: KERAS_DISTRIBUTION_PROCESS_ID='one'"),
+    ],
+)
+def test_initialize_refuses_bad_settings_before_joining(monkeypatch, kwargs, environment, message):
+    import keras_safe_dist
+
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as error:
+        keras_safe_dist.initialize(**kwargs)
+    assert message in str(error.value)
