@@ -399,7 +399,7 @@ class SafeDistributedModel(Trainer, keras.Model):
         ```
         """
         self._check_has_optimizer("fit")
-        _check_has_samples("fit", _fit_data(args, kwargs)[0])
+        _check_has_samples("fit", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
         self._check_fit_data(*_fit_data(args, kwargs))
         position = _FIT_CALLBACKS_POSITION
         args = list(args)
@@ -424,7 +424,7 @@ class SafeDistributedModel(Trainer, keras.Model):
                 dataset of cardinality 0), where stock Keras returns an
                 empty list.
         """
-        _check_has_samples("evaluate", _fit_data(args, kwargs)[0])
+        _check_has_samples("evaluate", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
         return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
@@ -442,7 +442,7 @@ class SafeDistributedModel(Trainer, keras.Model):
                 dataset of cardinality 0), where stock Keras fails with an
                 `UnboundLocalError` ('batch_outputs').
         """
-        _check_has_samples("predict", _fit_data(args, kwargs)[0])
+        _check_has_samples("predict", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
         return super().predict(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
@@ -789,16 +789,20 @@ def _fit_data(args, kwargs):
     return kwargs.get("x", given.get("x")), kwargs.get("batch_size", given.get("batch_size"))
 
 
-def _check_has_samples(method, x):
+def _check_has_samples(method, x, strategy):
     """Raises when `x` is known, before any step, to hold no samples.
 
     Stock Keras runs no step and returns an empty History (or list) then,
     or fails in `predict()`. Datasets of unknown length and generators are
     not read ahead. With several JAX processes, one process may hold no
     samples while others do: the processes check the global batch together
-    (backend/jax/_shares.py).
+    (backend/jax/_shares.py); so may a MultiWorkerMirroredStrategy worker.
     """
     if keras.backend.backend() == "jax" and distributed.jax_process()[1] > 1:
+        return
+    if strategy is not None and distributed.worker_name(strategy) != "chief":
+        # Several MultiWorkerMirroredStrategy workers: one worker's own data may
+        # hold no samples while another's does (it contributes empty shares).
         return
     # A tf.data.Dataset only where TensorFlow was imported (a JAX user has none).
     if _lazy.loaded("tensorflow") and isinstance(x, _lazy.tensorflow.data.Dataset):

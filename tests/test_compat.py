@@ -4,6 +4,7 @@ import inspect
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.backend.tensorflow import trainer as tf_trainer
@@ -378,3 +379,57 @@ def test_activity_losses_are_the_regularized_layers_own_losses():
     assert len(model.losses) == 2 and len(activity) == 1
     assert activity[0] is not None and float(activity[0]) != 7.0
     assert any(x is activity[0] for x in model.losses)
+
+
+def test_keras_runs_an_adapter_of_unknown_length_until_the_data_ends():
+    # Per-worker data (backend/tensorflow/_per_worker.py): Keras takes a
+    # DataAdapter given as `x` as it is, and runs each epoch of an adapter
+    # whose `num_batches` is None until the iterator has no batch left.
+    from keras.src.trainers import data_adapters
+    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+    assert parameters(data_adapters.get_data_adapter) == [
+        "x", "y", "sample_weight", "batch_size", "steps_per_epoch", "shuffle", "class_weight",
+    ]
+    for name in ("get_tf_dataset", "get_numpy_iterator", "num_batches", "batch_size",
+                 "has_partial_batch", "partial_batch_size", "on_epoch_begin", "on_epoch_end"):
+        assert hasattr(DataAdapter, name), name
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (np.arange(10, dtype="float32")[:, None], np.ones((10, 1), "float32"))
+    ).batch(4)
+    own = _tf_compat.data_adapter(dataset, None, None, None, False, None)
+    assert own.num_batches == 3 and own.get_tf_dataset() is dataset
+    adapter = _tf_compat.UnknownLengthAdapter(own)
+    assert data_adapters.get_data_adapter(adapter) is adapter
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.steps, self.batches = self.params["steps"], []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.batches.append(0)
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches[-1] += 1
+
+    inputs = keras.Input((1,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    steps = Steps()
+    with pytest.warns(UserWarning) as caught:
+        model.fit(adapter, epochs=2, verbose=0, callbacks=[steps])
+    assert steps.steps is None and steps.batches == [3, 3]
+    # The warning Keras gives where such an epoch ends, silenced by _per_worker.
+    assert any(str(w.message).startswith(_tf_compat.RAN_OUT_OF_DATA) for w in caught)
+    # Every batch evaluated: the loss of the whole dataset.
+    with pytest.warns(UserWarning, match=_tf_compat.RAN_OUT_OF_DATA):
+        loss = model.evaluate(adapter, verbose=0)
+    assert loss == pytest.approx(model.evaluate(dataset, verbose=0))
+
+
+def test_distributed_dataset_knows_the_dataset_it_was_made_from():
+    strategy = strategy_for(2)
+    dataset = tf.data.Dataset.range(4).batch(2)
+    assert _tf_compat.distributed_source(strategy.experimental_distribute_dataset(dataset)) is dataset
+    from_function = strategy.distribute_datasets_from_function(lambda _: dataset)
+    assert _tf_compat.distributed_source(from_function) is None

@@ -121,3 +121,39 @@ def test_the_step_state_is_built_from_metrics_variables():
     assert "self.metrics_variables" in source
     sync = inspect.getsource(keras_jax_trainer.JAXTrainer.jax_state_sync)
     assert "zip(self.metrics_variables, metrics_variables)" in sync
+
+
+def test_keras_looks_up_its_epoch_iterator_in_the_trainer_module_at_each_call():
+    iterator = _jax_compat.epoch_iterator_class()
+    assert iterator is keras_jax_trainer.JAXEpochIterator
+    for method in ("fit", "evaluate", "predict"):
+        source = inspect.getsource(getattr(keras_jax_trainer.JAXTrainer, method))
+        assert "JAXEpochIterator(" in source, method
+    # What SharedEpochIterator overrides and reads.
+    assert _parameters(iterator._get_distributed_iterator) == ["self", "distribution"]
+    assert "self._get_distributed_iterator(distribution)" in inspect.getsource(iterator._get_iterator)
+    enumerate_source = inspect.getsource(iterator._enumerate_iterator)
+    assert "self._num_batches" in enumerate_source
+    assert "self._num_batches = self.data_adapter.num_batches" in inspect.getsource(iterator.reset)
+
+    class Replacement(iterator):
+        pass
+
+    with _jax_compat.epoch_iterator_replaced(Replacement):
+        with _jax_compat.epoch_iterator_replaced(Replacement):  # re-entrant
+            assert keras_jax_trainer.JAXEpochIterator is Replacement
+    assert keras_jax_trainer.JAXEpochIterator is iterator
+
+
+def test_the_coordination_client_and_keras_seed_agreement_exist():
+    from jax._src import distributed
+
+    assert hasattr(distributed.global_state, "client")
+    assert _jax_compat.coordination_client() is None  # one process: no service
+    assert callable(_jax_compat.initialize_rng)
+    # The client's methods the watchdog calls (a jaxlib class, present without a run).
+    from jax._src.lib import _jax
+
+    methods = dir(_jax.DistributedRuntimeClient)
+    assert {"key_value_set", "key_value_try_get"} <= set(methods)
+    assert "allow_overwrite" in _jax.DistributedRuntimeClient.key_value_set.__doc__

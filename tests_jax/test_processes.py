@@ -113,6 +113,12 @@ def test_any_shard_sizes_match_one_device_on_the_global_batches(tmp_path, sizes,
     _assert_exact(tmp_path, sizes, reference)
 
 
+def test_a_dataset_of_unknown_batch_sizes_agrees_at_each_step(tmp_path):
+    reference = _reference(tmp_path, "32,33")
+    _run(tmp_path, "32,33", "--pydataset")
+    _assert_exact(tmp_path, "32,33", reference)
+
+
 def test_no_samples_on_any_process_is_one_clear_error_everywhere(tmp_path):
     ports = launch.free_ports(2)
     processes = _start(tmp_path, "0,0", environments=[launch.jax_env(ports, i) for i in range(2)])

@@ -25,6 +25,7 @@ parser.add_argument("--reference", action="store_true")
 parser.add_argument("--accumulation", type=int, default=1, help="with 1, the model has BatchNormalization")
 parser.add_argument("--fail", default="", help="PROCESS:STEP[:EPOCH]: that process raises at that step")
 parser.add_argument("--die", default="", help="PROCESS:STEP[:EPOCH]: that process kills itself (SIGKILL) there")
+parser.add_argument("--pydataset", action="store_true", help="fit on a keras.utils.PyDataset (sizes agreed at each step)")
 parser.add_argument("--backup", default="", help="train with MultiWorkerBackupAndRestore in this folder")
 parser.add_argument("--timeout", type=int, default=60, help="keras_safe_dist.initialize's bound")
 args = parser.parse_args()
@@ -109,6 +110,20 @@ def reference(shards):
     )
 
 
+class Batches(keras.utils.PyDataset):
+    """This process's rows in batches of BATCH; Keras does not know their size in advance."""
+
+    def __init__(self, *arrays):
+        super().__init__()
+        self.arrays = arrays
+
+    def __len__(self):
+        return -(-len(self.arrays[0]) // BATCH)
+
+    def __getitem__(self, index):
+        return tuple(a[index * BATCH : (index + 1) * BATCH] for a in self.arrays)
+
+
 class FailAt(keras.callbacks.Callback):
     def __init__(self, step, epoch, kill):
         super().__init__()
@@ -149,7 +164,10 @@ def train(shards):
                 callbacks.append(FailAt(step, epoch, kill))
     if args.backup:
         callbacks.append(MultiWorkerBackupAndRestore(args.backup))
-    model.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
+    if args.pydataset:
+        model.fit(Batches(x, y, w), epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
+    else:
+        model.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
     loss, mae = model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
     np.savez(

@@ -119,7 +119,7 @@ class SharedEpochIterator(_KerasEpochIterator):
 
 def _known_schedule(adapter):
     """Every step's local batch sizes on every process, or None where a process cannot know its own."""
-    counts = [adapter.num_batches, adapter.batch_size, adapter.partial_batch_size or 0]
+    counts = [_known(adapter, "num_batches"), _known(adapter, "batch_size"), _known(adapter, "partial_batch_size") or 0]
     known = all(isinstance(n, int) for n in counts[:2])
     everyone = _exchange([int(known)] + [n if isinstance(n, int) else -1 for n in counts])
     if not everyone[:, 0].all():
@@ -143,6 +143,14 @@ def _known_schedule(adapter):
                 sizes.append(0)
         schedule.append(tuple(sizes))
     return schedule
+
+
+def _known(adapter, name):
+    """An adapter's `num_batches`, `batch_size` or `partial_batch_size`; None where it cannot say."""
+    try:
+        return getattr(adapter, name)
+    except NotImplementedError:  # Keras's base adapter, for Python generators and PyDatasets
+        return None
 
 
 def _exchange(values):

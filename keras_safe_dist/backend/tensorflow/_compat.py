@@ -13,6 +13,8 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import nn as _keras_tf_nn
 from keras.src.backend.tensorflow import trainer as _keras_tf_trainer
+from keras.src.trainers import data_adapters as _keras_data_adapters
+from keras.src.trainers.data_adapters.data_adapter import DataAdapter as _KerasDataAdapter
 from tensorflow.python.distribute import distribute_lib as _tf_distribute_lib
 from tensorflow.python.distribute import values as _tf_values
 
@@ -243,6 +245,71 @@ def set_optional_spec(optional, spec):
     structure of its value is known (Keras's TensorFlow trainer does this).
     """
     optional._element_spec = spec
+
+
+def data_adapter(x, y, sample_weight, batch_size, shuffle, class_weight):
+    """Keras's own data adapter for `fit()`/`evaluate()` data, with its checks and warnings."""
+    return _keras_data_adapters.get_data_adapter(
+        x=x,
+        y=y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        steps_per_epoch=None,
+        shuffle=shuffle,
+        class_weight=class_weight,
+    )
+
+
+# The start of the warning Keras gives where an epoch of unknown length ends.
+RAN_OUT_OF_DATA = "Your input ran out of data"
+
+
+class UnknownLengthAdapter(_KerasDataAdapter):
+    """Keras's adapter for some data, reporting an epoch of unknown length.
+
+    Keras uses a `DataAdapter` passed as `x` as it is, and runs an epoch of
+    unknown length (`num_batches` None) until the iterator has no batch left.
+    """
+
+    def __init__(self, adapter):
+        self._adapter = adapter
+
+    def get_tf_dataset(self):
+        return self._adapter.get_tf_dataset()
+
+    def get_numpy_iterator(self):
+        return self._adapter.get_numpy_iterator()
+
+    @property
+    def num_batches(self):
+        return None
+
+    @property
+    def batch_size(self):
+        return self._adapter.batch_size
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
+
+    def on_epoch_begin(self):
+        self._adapter.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self._adapter.on_epoch_end()
+
+
+def distributed_source(data):
+    """The `tf.data.Dataset` a `DistributedDataset` was made from, or None.
+
+    None for a `DistributedDatasetsFromFunction` (each worker made its own
+    dataset) or a distributed dataset rebuilt from its components.
+    """
+    return getattr(data, "_original_dataset", None)
 
 
 def variable_creator_count():

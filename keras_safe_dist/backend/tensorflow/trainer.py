@@ -19,6 +19,7 @@ from keras_safe_dist import _warnings
 from keras_safe_dist.audits import scope as _scope
 from keras_safe_dist.backend.tensorflow import _accumulate
 from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
+from keras_safe_dist.backend.tensorflow import _per_worker
 from keras_safe_dist.backend.tensorflow import _shares
 from keras_safe_dist.backend.tensorflow import _xla
 from keras_safe_dist.backend.tensorflow import nan_probe
@@ -83,12 +84,21 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
             self.jit_compile = False
 
     def fit(self, *args, **kwargs):
-        with _collectives_named():
+        # Per-worker data under MultiWorkerMirroredStrategy: every worker runs
+        # the same steps, until the longest worker's data ends (_per_worker.py).
+        args, kwargs = _per_worker.fit_arguments(self.distribute_strategy, args, kwargs)
+        with _collectives_named(), _per_worker.epoch_ends_expected(args, kwargs):
             return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        with _collectives_named():
+        args, kwargs = _per_worker.evaluate_arguments(self.distribute_strategy, args, kwargs)
+        with _collectives_named(), _per_worker.epoch_ends_expected(args, kwargs):
             return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        args, kwargs = _per_worker.predict_arguments(self.distribute_strategy, args, kwargs)
+        with _collectives_named(), _per_worker.epoch_ends_expected(args, kwargs):
+            return super().predict(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         with _collectives_named():
@@ -226,12 +236,14 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         by a mask, or by `mean_with_sample_weight`). Here the replicas
         all-reduce their loss numerator and denominator (two scalars), so
         each batch's loss is the one-device value, weighted by its samples.
+        Under MultiWorkerMirroredStrategy the logs get the rank Keras's
+        MEAN across workers needs, as the train step's do.
         """
         if (
             _compat.compute_loss_is_overridden(self)
             or _compat.compile_loss(self) is None
         ):
-            return super().test_step(data)
+            return self._multi_worker_logs(super().test_step(data))
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred, keep = self._forward(x, training=False)
         micro = _loss.kept(_loss.micro_batch_loss(self, y, y_pred, sample_weight), keep)
@@ -241,7 +253,9 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         if penalty is not None:
             numerator += penalty
         _compat.loss_tracker(self).update_state(numerator, sample_weight=micro.samples)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self._multi_worker_logs(
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        )
 
     def _step(self, data, weight_terms=()):
         engine = self._update_engine
