@@ -42,7 +42,7 @@ _ALIVE = "keras_safe_dist/alive/"
 _BEAT = 1.0  # seconds between beats, and between reads of the failure key
 _SILENT = 5.0  # seconds without a beat after which a process counts as gone
 
-_state = {"thread": None, "failed_here": False}
+_state = {"thread": None, "failed_here": False, "stop": threading.Event()}
 
 
 def start(timeout):
@@ -59,7 +59,7 @@ def start(timeout):
 
     sys.excepthook = excepthook
     # Registered after jax's own shutdown hook, so it runs first.
-    atexit.register(_exit_if_failed)
+    atexit.register(_at_exit)
     thread.start()
 
 
@@ -109,18 +109,21 @@ def _end(text, process):
     os._exit(1)
 
 
-def _exit_if_failed():
+def _at_exit():
+    """A failed process exits now; otherwise the watchdog stops before jax closes the store."""
     if _state["failed_here"]:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    _state["stop"].set()
+    _state["thread"].join(timeout=2 * _BEAT)
 
 
 def _watch():
     client = _jax_compat.coordination_client()
     process = jax.process_index()
     beat = 0
-    while True:
+    while not _state["stop"].is_set():
         beat += 1
         try:
             client.key_value_set(f"{_ALIVE}{process}", str(beat), allow_overwrite=True)
@@ -129,7 +132,7 @@ def _watch():
             text = None  # not written yet (or the store is going: jax ends us)
         if text is not None and not text.startswith(f"process {process}:") and not _state["failed_here"]:
             _end(text, process)
-        time.sleep(_BEAT)
+        _state["stop"].wait(_BEAT)
 
 
 def _silent_process(client, process):
