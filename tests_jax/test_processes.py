@@ -5,6 +5,7 @@ with hard timeouts; the reference is stock Keras on one device trained on
 the same global batches (process 0's rows of each step, then process 1's...).
 """
 
+import json
 import os
 import signal
 import socket
@@ -240,3 +241,18 @@ def test_initialize_refuses_bad_settings_before_joining(monkeypatch, kwargs, env
     with pytest.raises(ValueError) as error:
         keras_safe_dist.initialize(**kwargs)
     assert message in str(error.value)
+
+
+def test_nan_onset_names_the_process_and_the_row_of_its_local_batch(tmp_path):
+    # Row 13 of process 1's data: its second batch of 8, row 5 there; row 13
+    # of the global batch (process 0's 8 rows come first).
+    _run(tmp_path, "32,33", "--nan", "1:13")
+    with open(tmp_path / "nan" / "nan_onset.json") as f:
+        report = json.load(f)
+    assert (report["epoch"], report["batch"], report["kind"]) == (0, 1, "inputs")
+    assert report["rows"] == [13]
+    assert report["process_rows"] == [[1, 5]]
+    assert "NaN onset at epoch 0, batch 1, sample rows 13 (process 1 row 5 of its local batch)" in _log(tmp_path, 0)
+    batch = np.load(tmp_path / "nan" / "nan_onset_batch.npz")["x"]  # the global batch, written by process 0
+    assert batch.shape == (16, 6)
+    assert np.isnan(batch[13, 0]) and np.isfinite(np.delete(batch, 13, axis=0)).all()

@@ -458,6 +458,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             )
             return {}
         report.update(kind=found.kind, layer=found.layer, rows=list(found.rows))
+        located = _jax_locate().process_rows(batches[index], found.rows)
+        if located is not None:
+            # Several processes: the global batch is their local batches in
+            # process order; name each row's process and its row there.
+            report["process_rows"] = [list(pair) for pair in located]
         if found.variables:
             report["variables"] = list(found.variables)
         # The micro-batch of the group where the value entered.

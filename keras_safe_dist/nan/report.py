@@ -140,6 +140,11 @@ def paragraph(report):
         shown = ", ".join(str(r) for r in report["rows"][:10])
         more = len(report["rows"]) - 10
         where += f", sample rows {shown}{f' and {more} more' if more > 0 else ''}"
+    if report.get("process_rows"):
+        pairs = report["process_rows"]
+        shown = ", ".join(f"process {p} row {r}" for p, r in pairs[:10])
+        more = len(pairs) - 10
+        where += f" ({shown}{f' and {more} more' if more > 0 else ''} of its local batch)"
     text = [f"NaN onset at {where}: {what}."]
     if report["layer"]:
         text.append(f"First layer with a non-finite output from finite inputs: {report['layer']}.")

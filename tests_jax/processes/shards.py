@@ -26,6 +26,7 @@ parser.add_argument("--accumulation", type=int, default=1, help="with 1, the mod
 parser.add_argument("--fail", default="", help="PROCESS:STEP[:EPOCH]: that process raises at that step")
 parser.add_argument("--die", default="", help="PROCESS:STEP[:EPOCH]: that process kills itself (SIGKILL) there")
 parser.add_argument("--pydataset", action="store_true", help="fit on a keras.utils.PyDataset (sizes agreed at each step)")
+parser.add_argument("--nan", default="", help="PROCESS:ROW: a NaN in that row of that process's x; NaNOnsetDetector in OUT/nan")
 parser.add_argument("--backup", default="", help="train with MultiWorkerBackupAndRestore in this folder")
 parser.add_argument("--timeout", type=int, default=60, help="keras_safe_dist.initialize's bound")
 args = parser.parse_args()
@@ -49,6 +50,7 @@ import keras  # noqa: E402
 
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
 from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore  # noqa: E402
+from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
 
 
 def pool():
@@ -164,6 +166,12 @@ def train(shards):
                 callbacks.append(FailAt(step, epoch, kill))
     if args.backup:
         callbacks.append(MultiWorkerBackupAndRestore(args.backup))
+    if args.nan:
+        who, row = (int(n) for n in args.nan.split(":"))
+        if who == process:
+            x = x.copy()
+            x[row, 0] = np.nan
+        callbacks.append(NaNOnsetDetector(os.path.join(args.out, "nan"), action="stop"))
     if args.pydataset:
         model.fit(Batches(x, y, w), epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
     else:

@@ -20,6 +20,7 @@ step on the real global batch, the one-device result (BatchNormalization
 included), without the data-parallel speed-up for that step.
 """
 
+import collections
 import contextlib
 import threading
 
@@ -37,6 +38,53 @@ _state = threading.local()
 def last_step():
     """`(sizes, process)` of the step the current iterator yielded last, or None."""
     return getattr(_state, "last", None)
+
+
+def sizes_of(batch):
+    """The local batch sizes, by process, of a global batch this module built; None otherwise."""
+    key = id(_first_leaf(batch))
+    for built, sizes in reversed(getattr(_state, "recent", ())):
+        if built == key:
+            return sizes
+    return None
+
+
+def process_rows(sizes, rows):
+    """`[(process, row of its local batch), ...]` for `rows` of a global batch of `sizes`."""
+    starts = np.cumsum((0,) + tuple(sizes))
+    located = []
+    for row in rows:
+        process = int(np.searchsorted(starts, row, side="right")) - 1
+        located.append((process, int(row - starts[process])))
+    return located
+
+
+def replicated(batch):
+    """`batch` with each global array placed whole on every device, so every process can read it.
+
+    Every process must call it on the same batch (it gathers the shards).
+    """
+
+    def whole(leaf):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or sharding.is_fully_replicated or not hasattr(sharding, "mesh"):
+            return leaf
+        spec = jax.sharding.PartitionSpec()
+        return _gather_all(jax.sharding.NamedSharding(sharding.mesh, spec))(leaf)
+
+    return keras.tree.map_structure(whole, batch)
+
+
+def _gather_all(sharding):
+    key = ("all", sharding)
+    if key not in _gathers:
+        _gathers[key] = jax.jit(lambda array: array, out_shardings=sharding)
+    return _gathers[key]
+
+
+def _first_leaf(batch):
+    leaves = [leaf for leaf in keras.tree.flatten(batch) if leaf is not None]
+    return leaves[0] if leaves else None
 
 
 def agreed_iterators():
@@ -93,7 +141,12 @@ class SharedEpochIterator(_KerasEpochIterator):
                 batch = template
             step += 1
             _state.last = (tuple(sizes), process)
-            yield _global_batch(batch, sizes, distribution)
+            placed = _global_batch(batch, sizes, distribution)
+            if not hasattr(_state, "recent"):
+                _state.recent = collections.deque(maxlen=64)
+            # For NaNOnsetDetector: which process each row of this batch came from.
+            _state.recent.append((id(_first_leaf(placed)), tuple(sizes)))
+            yield placed
 
     def _empty_template(self):
         """A batch of no samples, structured as this process's adapter yields them."""

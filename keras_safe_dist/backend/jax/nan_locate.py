@@ -23,6 +23,7 @@ import keras
 import numpy as np
 
 from keras_safe_dist import _compat
+from keras_safe_dist.backend.jax import _shares
 from keras_safe_dist.nan.replay import wrapped_calls
 
 __all__ = ["Found", "JAXSnapshots", "locate", "nonfinite_weights"]
@@ -75,6 +76,11 @@ def locate(model, batches):
         or `(None, Found(None))`.
     """
     errors = []
+    if jax.process_count() > 1:
+        # Every process replays the same global batches (each takes the same
+        # decision on the same logs), whole on every device so that rows can
+        # be read on the host.
+        batches = [_shares.replicated(batch) for batch in batches]
     for index, batch in enumerate(batches):
         try:
             found = _replay(model, *keras.utils.unpack_x_y_sample_weight(batch))
@@ -86,8 +92,16 @@ def locate(model, batches):
     return None, Found(None, error="; ".join(errors) or None)
 
 
+def process_rows(batch, rows):
+    """`[(process, row of its local batch), ...]` for rows of a global batch; None in one process."""
+    sizes = _shares.sizes_of(batch) if jax.process_count() > 1 else None
+    return None if sizes is None else _shares.process_rows(sizes, rows)
+
+
 def named_arrays(batch):
     """`(names, arrays)` of a micro-batch, as NumPy, for `nan_onset_batch.npz`."""
+    if jax.process_count() > 1:
+        batch = _shares.replicated(batch)
     names, arrays = [], []
     for name, part in zip(("x", "y", "sample_weight"), keras.utils.unpack_x_y_sample_weight(batch)):
         flat = [a for a in keras.tree.flatten(part) if a is not None]
