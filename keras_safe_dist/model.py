@@ -15,6 +15,7 @@ from keras_safe_dist import distributed
 from keras_safe_dist import nan
 from keras_safe_dist.audits import scope as _scope
 from keras_safe_dist.backend import Trainer
+from keras_safe_dist.nan import rows as _nan_rows
 
 _OPTIMIZER_OPTIONS = {
     "clipnorm": "clips each replica's gradient before the cross-replica all-reduce",
@@ -407,7 +408,12 @@ class SafeDistributedModel(Trainer, keras.Model):
             args[position] = self._with_epoch_callback(args[position])
         else:
             kwargs["callbacks"] = self._with_epoch_callback(kwargs.get("callbacks"))
-        return super().fit(*args, **kwargs)
+        # For NaNOnsetDetector: where a bad sample is in the arrays given (references).
+        self.__dict__["_fit_arrays"] = _nan_rows.fit_arrays(args, kwargs)
+        try:
+            return super().fit(*args, **kwargs)
+        finally:
+            self.__dict__["_fit_arrays"] = None
 
     def evaluate(self, *args, **kwargs):
         """Same as `keras.Model.evaluate`, refusing data that holds no samples.

@@ -124,6 +124,32 @@ def test_nan_in_one_input_sample_names_its_batch_replica_and_writes_files(replic
     assert "NaN onset at epoch 0, batch 4" in markdown
 
 
+def test_a_nan_in_shuffled_arrays_is_named_by_its_row_in_the_arrays(replicas):
+    x, y = data()
+    x[37, 2] = np.nan
+    y[21, 0] = np.inf
+    model = build(replicas)
+    detector = NaNOnsetDetector(history=3)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=True, verbose=0, callbacks=[detector])
+    report = detector.report
+    assert report["kind"] == "inputs"
+    # The first of the two bad rows that the shuffled order reached.
+    assert report["array_rows"] in ([37], [21], [21, 37])
+    rows = ", ".join(str(r) for r in report["array_rows"])
+    assert f"In the arrays passed to fit() (before shuffling): row{'s' if len(report['array_rows']) > 1 else ''} {rows}." in report["summary"]
+
+
+def test_a_nan_from_a_dataset_says_how_to_find_the_sample(replicas):
+    x, y = data()
+    x[37, 2] = np.nan
+    model = build(replicas)
+    detector = NaNOnsetDetector(history=3)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    model.fit(dataset, epochs=1, verbose=0, callbacks=[detector])
+    assert "array_rows" not in detector.report
+    assert any(note.startswith("fit() got a dataset or generator, so the sample's place") for note in detector.report["notes"])
+
+
 def test_layer_that_makes_nan_on_one_batch_is_named(replicas, capsys):
     x, y = data()
     x[19, 1] = -3.0  # batch 2: log(1 - 3) is NaN

@@ -140,6 +140,16 @@ def test_nan_detector_names_the_rows_of_non_finite_inputs(devices):
     )
 
 
+def test_a_nan_in_shuffled_arrays_is_named_by_its_row_in_the_arrays(devices):
+    x, y, _ = regression_data(64)
+    x[57, 1] = np.nan
+    detector = callbacks.NaNOnsetDetector()
+    mlp().fit(x, y, batch_size=8, epochs=1, shuffle=True, verbose=0, callbacks=[detector])
+    report = detector.report
+    assert report["kind"] == "inputs" and report["array_rows"] == [57]
+    assert "In the arrays passed to fit() (before shuffling): row 57." in report["summary"]
+
+
 def log_loss(y_true, y_pred):
     # NaN for a negative target, from finite outputs.
     return ops.mean(ops.square(y_pred - y_true) + 0.0 * ops.log(y_true), axis=-1)

@@ -14,6 +14,7 @@ from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.model import SafeDistributedModel
 from keras_safe_dist.nan import flags as _nan_flags
 from keras_safe_dist.nan import report as _nan_report
+from keras_safe_dist.nan import rows as _nan_rows
 
 __all__ = ["NaNOnsetDetector"]
 
@@ -372,8 +373,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             self._restore(report, previous)
         if self.action != "continue":
             model.stop_training = True
-        _nan_report.finish(report, self.action, self.max_consecutive_skips)
         named = shares if self._jax else {r: self._probe.named(share) for r, share in shares.items()}
+        if report["kind"] == "inputs" and "process_rows" not in report:
+            self._find_in_fit_arrays(report, named)
+        _nan_report.finish(report, self.action, self.max_consecutive_skips)
         try:
             _nan_report.write(
                 report, self.log_dir, named, report["step"], distributed.strategy_of(model)
@@ -391,6 +394,15 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self.report = report
         if distributed.is_chief(distributed.strategy_of(model)):
             print(report["summary"])
+
+    def _find_in_fit_arrays(self, report, named):
+        """Names the rows of the arrays given to `fit()` that hold the onset batch's bad samples."""
+        arrays = self.model.__dict__.get("_fit_arrays")
+        if arrays is None:
+            report["notes"].append(_nan_rows.DATA_NOTE)
+            return
+        if named:
+            report["array_rows"] = _nan_rows.user_rows(arrays, named)
 
     def _onset_plain(self, report, weights, from_logs):
         report["notes"].append(_nan_report.PLAIN_MODEL_NOTE)

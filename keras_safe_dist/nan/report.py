@@ -146,6 +146,14 @@ def paragraph(report):
         more = len(pairs) - 10
         where += f" ({shown}{f' and {more} more' if more > 0 else ''} of its local batch)"
     text = [f"NaN onset at {where}: {what}."]
+    if report.get("array_rows"):
+        shown = ", ".join(str(r) for r in report["array_rows"][:10])
+        more = len(report["array_rows"]) - 10
+        plural = "s" if len(report["array_rows"]) > 1 else ""
+        text.append(
+            f"In the arrays passed to fit() (before shuffling): row{plural} {shown}"
+            f"{f' and {more} more' if more > 0 else ''}."
+        )
     if report["layer"]:
         text.append(f"First layer with a non-finite output from finite inputs: {report['layer']}.")
     if report["variables"]:
