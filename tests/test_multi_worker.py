@@ -58,6 +58,7 @@ def weights(result, inputs):
     return [np.array(w, dtype="float32") for w in result[inputs]["weights"]]
 
 
+@pytest.mark.processes
 def test_two_workers_match_single_process_runs(tmp_path):
     log_dir = tmp_path / "logs"
     codes, results, lines = run_workers(["--steps", "2", "--clipnorm", "1.0", "--epochs", "2", "--log-dir", str(log_dir)])
@@ -92,6 +93,7 @@ def test_two_workers_match_single_process_runs(tmp_path):
         assert writers == {str(results[0][inputs]["pid"])}
 
 
+@pytest.mark.processes
 def test_nan_in_one_workers_share_stops_both_workers_with_the_same_report(tmp_path):
     # Row 23 is in global batch 2 (rows 20-29), in the chief's share (rows 20-24).
     args = ["--steps", "1", "--epochs", "2", "--inputs", "numpy", "--nan-row", "23", "--log-dir", str(tmp_path)]
@@ -112,6 +114,7 @@ def test_nan_in_one_workers_share_stops_both_workers_with_the_same_report(tmp_pa
     assert json.loads((tmp_path / "nan_onset.json").read_text())["kind"] == "inputs"
 
 
+@pytest.mark.processes
 def test_killed_worker_resumes_from_backup_and_matches_uninterrupted_run(tmp_path):
     backup = tmp_path / "backup"
     args = ["--steps", "2", "--epochs", "3", "--inputs", "numpy", "--backup", str(backup)]
@@ -162,6 +165,7 @@ def test_launcher_rejects_missing_script(tmp_path):
         WorkerGroup(str(tmp_path / "missing.py"))
 
 
+@pytest.mark.processes
 def test_two_workers_run_several_steps_per_execution_exactly():
     # 5 micro-batches a worker-epoch in executions of 3: the second is partial.
     codes, results, lines = run_workers(["--steps", "2", "--epochs", "2", "--execution", "3"])

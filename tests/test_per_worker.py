@@ -105,6 +105,7 @@ def check_against_one_device(results, train, val, test, steps, epochs=2):
     return worst
 
 
+@pytest.mark.processes
 def test_equal_per_worker_datasets_without_sharding_train_every_batch_exactly():
     # 32 rows a worker in global batches of 8: 8 steps of 4 + 4 rows an epoch,
     # where Keras read 4 (the batches before TensorFlow splits them) and
@@ -119,6 +120,7 @@ def test_equal_per_worker_datasets_without_sharding_train_every_batch_exactly():
     assert not [line for _, line in lines if _tf_compat.RAN_OUT_OF_DATA in line]
 
 
+@pytest.mark.processes
 def test_uneven_per_worker_datasets_from_a_function_accumulate_exactly():
     # 32 and 33 rows: 9 steps an epoch, the last only worker 1's row; with
     # gradient_accumulation_steps=2 the 5th update of each epoch is the

@@ -107,6 +107,7 @@ def _assert_exact(out, sizes, reference):
     [("32,33", 2), ("30,31,35", 1), ("30,0,35", 1)],
     ids=["2processes-32-33-accumulation", "3processes-30-31-35-batchnorm", "3processes-one-empty"],
 )
+@pytest.mark.processes
 def test_any_shard_sizes_match_one_device_on_the_global_batches(tmp_path, sizes, accumulation):
     options = ("--accumulation", str(accumulation))
     reference = _reference(tmp_path, sizes, *options)
@@ -114,12 +115,14 @@ def test_any_shard_sizes_match_one_device_on_the_global_batches(tmp_path, sizes,
     _assert_exact(tmp_path, sizes, reference)
 
 
+@pytest.mark.processes
 def test_a_dataset_of_unknown_batch_sizes_agrees_at_each_step(tmp_path):
     reference = _reference(tmp_path, "32,33")
     _run(tmp_path, "32,33", "--pydataset")
     _assert_exact(tmp_path, "32,33", reference)
 
 
+@pytest.mark.processes
 def test_no_samples_on_any_process_is_one_clear_error_everywhere(tmp_path):
     ports = launch.free_ports(2)
     processes = _start(tmp_path, "0,0", environments=[launch.jax_env(ports, i) for i in range(2)])
@@ -141,6 +144,7 @@ def _failure(out, option, limit=HARD):
     return codes, [end - failed_at for end in ends]
 
 
+@pytest.mark.processes
 def test_a_process_that_raises_ends_every_process_naming_it(tmp_path):
     codes, after = _failure(tmp_path, "--fail")
     assert codes == [1, 1]
@@ -152,6 +156,7 @@ def test_a_process_that_raises_ends_every_process_naming_it(tmp_path):
     ) in _log(tmp_path, 0)
 
 
+@pytest.mark.processes
 def test_a_killed_process_ends_every_other_within_the_bound_naming_it(tmp_path):
     codes, after = _failure(tmp_path, "--die")
     assert codes[1] == -signal.SIGKILL
@@ -160,6 +165,7 @@ def test_a_killed_process_ends_every_other_within_the_bound_naming_it(tmp_path):
     assert "process 1: stopped answering (killed or exited)" in _log(tmp_path, 0)
 
 
+@pytest.mark.processes
 def test_a_coordinator_that_is_not_running_is_a_clear_error_within_the_timeout(tmp_path):
     ports = launch.free_ports(2)
     started = time.time()
@@ -186,6 +192,7 @@ def _free_slurm_port():
     pytest.skip("no free port in 61440-65535")
 
 
+@pytest.mark.processes
 def test_a_slurm_environment_needs_no_launcher(tmp_path):
     port = _free_slurm_port()
     slurm = {
@@ -200,6 +207,7 @@ def test_a_slurm_environment_needs_no_launcher(tmp_path):
     _assert_exact(tmp_path, "32,33", reference)
 
 
+@pytest.mark.processes
 def test_a_killed_run_resumes_from_its_backup_to_the_uninterrupted_weights(tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
     full.mkdir(), cut.mkdir()
@@ -243,6 +251,7 @@ def test_initialize_refuses_bad_settings_before_joining(monkeypatch, kwargs, env
     assert message in str(error.value)
 
 
+@pytest.mark.processes
 def test_nan_onset_names_the_process_and_the_row_of_its_local_batch(tmp_path):
     # Row 13 of process 1's data: its second batch of 8, row 5 there; row 13
     # of the global batch (process 0's 8 rows come first).
