@@ -106,7 +106,28 @@ def _end(text, process):
         flush=True,
     )
     sys.stdout.flush()
+    _outlive_others(process)
     os._exit(1)
+
+
+def _outlive_others(process, limit=3.0):
+    """Process 0 waits (at most `limit` s) for the others to exit before it does.
+
+    It runs the key-value store: were it to exit first, jax would end the
+    others with SIGABRT before they print which process failed.
+    """
+    if process != 0:
+        return
+    client = _jax_compat.coordination_client()
+    others = list(range(1, jax.process_count()))
+    deadline = time.monotonic() + limit
+    before = _beats(client, others)
+    while time.monotonic() < deadline:
+        time.sleep(1.2 * _BEAT)
+        now = _beats(client, others)
+        if now == before:
+            return  # nobody beat since: they have exited (or are stuck)
+        before = now
 
 
 def _at_exit():
@@ -114,6 +135,7 @@ def _at_exit():
     if _state["failed_here"]:
         sys.stdout.flush()
         sys.stderr.flush()
+        _outlive_others(jax.process_index())
         os._exit(1)
     _state["stop"].set()
     _state["thread"].join(timeout=2 * _BEAT)
