@@ -88,6 +88,24 @@ def test_forward_pass_in_inference_mode_is_loop001_for_each_training_dependent_l
     assert all("training=False" in f.message for f in report)
 
 
+def test_a_tf_function_step_without_training_is_loop001_before_and_after_it_ran():
+    model, optimizer, data = setup()
+    optimizer.build(model.trainable_variables)
+    step = make_step(model, optimizer, training=None, compiled=True)
+    before = keras_safe_dist.audit_train_step(step, model, optimizer, data, steps=2)
+    state = tuple([v.value for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables, optimizer.variables))
+    step(state, data)  # the loop ran it: tf.function reuses its trace
+    after = keras_safe_dist.audit_train_step(step, model, optimizer, data, steps=2)
+    for report in (before, after):
+        assert [(f.code, f.subject) for f in report] == [
+            ("LOOP001", "batch_norm"), ("LOOP001", "dropout")
+        ]
+        assert report.findings[0].message.startswith(
+            "the train step called BatchNormalization with training=False"
+        )
+
+
 def test_dropped_non_trainable_state_is_loop002_at_every_step():
     model, optimizer, data = setup()
     step = make_step(model, optimizer, returns=("trainable", "optimizer"))

@@ -98,6 +98,51 @@ def test_forward_pass_in_inference_mode_is_loop001_for_each_training_dependent_l
     assert sorted(f.subject for f in report) == ["batch_norm", "dropout"]
 
 
+def run_once(step, model, optimizer, data):
+    """Runs `step` as the loop does, so its trace for these shapes is cached."""
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in optimizer.variables],
+    )
+    return step(state, data)
+
+
+def test_a_jitted_step_without_training_is_loop001_before_and_after_it_ran(devices):
+    model, optimizer, data = setup()
+    step = make_step(model, optimizer, training=None)
+    before = keras_safe_dist.audit_train_step(step, model, optimizer, data, steps=2)
+    run_once(step, model, optimizer, data)  # the loop ran it: jax.jit reuses its trace
+    after = keras_safe_dist.audit_train_step(step, model, optimizer, data, steps=2)
+    for report in (before, after):
+        assert [(f.code, f.subject) for f in report] == [
+            ("LOOP001", "batch_norm"), ("LOOP001", "dropout")
+        ]
+        assert report.findings[1].message.startswith(
+            "the train step called Dropout with training=False (or without `training`"
+        )
+
+
+def test_a_step_calling_an_already_compiled_forward_pass_leads_loop002_with_both_causes():
+    model, optimizer, data = setup()
+    inner = make_step(model, optimizer, training=None)
+    run_once(inner, model, optimizer, data)
+
+    def step(state, data):  # not jitted itself: only `inner`'s cached trace runs
+        return inner(state, data)
+
+    report = keras_safe_dist.audit_train_step(step, model, optimizer, data, steps=2)
+    assert report.codes() == ("LOOP002",)
+    dropout = {f.subject: f for f in report}["dropout"]
+    assert dropout.message.startswith(
+        "Dropout: its seed generator state came back from the train step unchanged at steps "
+        "1, 2 of 2: either the step calls it without `training=True` or the step returns the "
+        "non_trainable_variables it was given"
+    )
+    assert "a function the step calls was compiled before the audit" in dropout.message
+    assert dropout.fix.startswith("Pass `training=True` to `model.stateless_call(...)`; if it is")
+
+
 def test_dropped_non_trainable_state_is_loop002_for_statistics_and_seed(devices):
     model, optimizer, data = setup()
     step = make_step(model, optimizer, returns=("trainable", "optimizer"))

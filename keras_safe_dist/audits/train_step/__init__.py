@@ -6,7 +6,8 @@ the state through it. Its mistakes raise no error: a forward pass without
 `training=True`, updated non-trainable or optimizer or metric variables that
 are dropped, a batch or state not laid out as the distribution says.
 `audit_train_step` runs the step a few times on a copy of the state and
-reports them. The rules are in `_checks.py`; the JAX layout check in
+reports them. The rules are in `_checks.py`; the fresh trace of a step
+compiled before the audit in `_trace.py`; the JAX layout check in
 `keras_safe_dist/backend/jax/train_step_layout.py`, imported on the JAX backend only.
 """
 
@@ -20,6 +21,7 @@ from keras_safe_dist.audits.train_step._state import ModelSnapshot
 from keras_safe_dist.audits.train_step._state import TrainState
 from keras_safe_dist.audits.train_step._state import describe
 from keras_safe_dist.audits.train_step._state import host_values
+from keras_safe_dist.audits.train_step._trace import trace_afresh
 from keras_safe_dist.findings import AuditReport
 
 __all__ = ["audit_train_step"]
@@ -53,7 +55,10 @@ def audit_train_step(
       devices): state or batch arrays not laid out as the distribution says.
       Not run on TensorFlow, whose distribution is `tf.distribute`.
 
-    The step may be jitted (`jax.jit`, `tf.function`) or not. The model's,
+    The step may be jitted (`jax.jit`, `tf.function`) or not; a jitted
+    step's Python function is traced once more first (not run), so that a
+    step already compiled for these shapes still shows its layers'
+    `training` value. The model's,
     optimizer's and metrics' variables hold after the audit the values they
     held before, even if the step assigns to them.
 
@@ -114,6 +119,7 @@ def audit_train_step(
     history = []
     try:
         with recorder.active():
+            trace_afresh(train_step, state, data)  # one compiled before would call no layer
             for step in range(1, steps + 1):
                 before = host_values(state)
                 result = _run(train_step, name, state, data, step, steps, train_state, layout_findings)

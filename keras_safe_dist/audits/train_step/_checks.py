@@ -33,9 +33,10 @@ class TrainingModeRecorder:
 
     While active, the `call` of each layer that `training_dependent_layers`
     lists is wrapped on the instance; the wrapper records the value and calls
-    the original. A jitted or `tf.function` step records while it is traced;
-    a step compiled before the audit records nothing (`observed` stays empty
-    for its layers).
+    the original. A jitted or `tf.function` step records while it is traced
+    (the audit traces a compiled step afresh, `_trace.py`); a function the
+    step calls that was compiled before the audit records nothing
+    (`observed` stays empty for its layers).
 
     Args:
         model: the audited `keras.Model`.
@@ -226,21 +227,30 @@ def _non_trainable(layer, kind, steps, total, recorder):
         if kind == "batch norm"
         else "the same dropout mask is drawn at every step"
     )
-    mode = (
-        " (its training mode was not seen: the step was compiled before the audit, "
-        "so it may also have run in inference mode)"
-        if recorder.unobserved(layer)
-        else ", although it ran in training mode"
+    fix = (
+        "the non_trainable_variables that `model.stateless_call` returns "
+        "(the aux output of `value_and_grad`), and pass the state's "
+        "non_trainable_variables to `stateless_call`."
     )
+    if recorder.unobserved(layer) and 1 in steps:
+        # Its call was compiled before the audit: inference mode is as likely.
+        return Finding.of(
+            "LOOP002",
+            _name(layer),
+            f"{type(layer).__name__}: {what} came back from the train step unchanged "
+            f"at {_at(steps, total)}: either the step calls it without `training=True` "
+            f"or {_how(steps, 'non_trainable_variables')}, so {effect}. (Its training "
+            "mode was not seen: a function the step calls was compiled before the audit.)",
+            "Pass `training=True` to `model.stateless_call(...)`; if it is passed, return "
+            + fix,
+        )
     return Finding.of(
         "LOOP002",
         _name(layer),
         f"{type(layer).__name__}: {what} came back from the train step unchanged "
-        f"at {_at(steps, total)}{mode}: "
+        f"at {_at(steps, total)}, although it ran in training mode: "
         f"{_how(steps, 'non_trainable_variables')}, so {effect}.",
-        "Return the non_trainable_variables that `model.stateless_call` returns "
-        "(the aux output of `value_and_grad`), and pass the state's "
-        "non_trainable_variables to `stateless_call`.",
+        "Return " + fix,
     )
 
 
