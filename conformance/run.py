@@ -327,7 +327,7 @@ def _both(keyword, subset):
 def _check_backend(backend):
     if backend == "jax" and importlib.util.find_spec("jax") is None:
         raise SetupError("the JAX pass needs jax, which is not installed: "
-                         "pip install keras-safe-dist[jax] (or pass --backend tensorflow).")
+                         "pip install -c constraints.txt -e \".[jax]\" (or pass --backend tensorflow).")
 
 
 def run_pass(sdist, version, backend, files, keyword, args):

@@ -6,11 +6,15 @@ starting the devices writes "failed call to cuInit" on a machine without a
 GPU. Import TensorFlow through `import_tensorflow()` before anything else.
 TensorFlow 2.18 writes the first of those lines only when a worker's
 strategy starts its server: create that in `native_stderr_silenced()`.
+Without TensorFlow installed, `import_tensorflow()` exits saying which extra
+installs it.
 """
 
 import contextlib
 import os
 import sys
+
+from _extras import require
 
 
 @contextlib.contextmanager
@@ -28,8 +32,16 @@ def native_stderr_silenced():
 
 
 def import_tensorflow():
-    """`import tensorflow`, with fd 2 at /dev/null meanwhile; returns the module."""
+    """`import tensorflow`, with fd 2 at /dev/null meanwhile; returns the module.
+
+    Exits with status 1, naming the `[tensorflow]` extra, when TensorFlow is
+    not installed.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # "failed call to cuInit"
-    with native_stderr_silenced():
-        import tensorflow
-    return tensorflow
+
+    def silenced_import():
+        with native_stderr_silenced():
+            import tensorflow
+        return tensorflow
+
+    return require("tensorflow", silenced_import)

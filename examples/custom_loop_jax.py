@@ -21,9 +21,12 @@ import random
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
-import jax  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _extras import require  # noqa: E402
+
+jax = require("jax")  # or exit naming the [jax] extra and its install command
+
+import keras  # noqa: E402
 
 import keras_safe_dist  # noqa: E402
 

@@ -26,9 +26,12 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 ).strip()
 
-import jax  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _extras import require  # noqa: E402
+
+jax = require("jax")  # or exit naming the [jax] extra and its install command
+
+import keras  # noqa: E402
 
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
 from keras_safe_dist import callbacks  # noqa: E402

@@ -123,8 +123,8 @@ def _add_doctor(commands):
             "instead, in a process of its own on N JAX CPU devices under "
             "keras.distribution.DataParallel, and lists the others as not "
             "applicable. Exit status: 0 when SafeDistributedModel passes every "
-            "probe, 1 otherwise, 2 for bad arguments (or --backend jax without "
-            "jax installed)."
+            "probe, 1 otherwise, 2 for bad arguments or when the backend's library "
+            "(tensorflow, or jax for --backend jax) is not installed."
         ),
     )
     doctor.add_argument(
@@ -144,16 +144,40 @@ def _add_doctor(commands):
 
 _native_stderr_silenced = _quiet.native_stderr_silenced
 
+# The command installing each backend's extra, from the repository's root
+# (the README's "Install").
+_INSTALL = {
+    "jax": 'pip install -c constraints.txt -e ".[jax]"',
+    "tensorflow": 'pip install -c constraints.txt -e ".[tensorflow]"',
+}
+
+
+def _missing(command, library, what):
+    """Says that `what` needs `library`, which is missing, and how to install it; returns 2."""
+    print(
+        f"keras-safe-dist {command}: {what} needs {library}, which is not installed. "
+        f"Install the [{library}] extra from the repository's root: `{_INSTALL[library]}`.",
+        file=sys.stderr,
+    )
+    return 2
+
 
 def _doctor(args):
     if args.backend == "jax":
         return _doctor_jax(args)
     # Imported here: the doctor loads TensorFlow and Keras, `launch` does not.
     quiet = not args.verbose
-    with _native_stderr_silenced(quiet):
-        import tensorflow as tf
+    try:
+        with _native_stderr_silenced(quiet):
+            import tensorflow as tf
 
-        from keras_safe_dist import doctor
+            from keras_safe_dist import doctor
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] != "tensorflow":
+            raise
+        code = _missing("doctor", "tensorflow", "--backend tensorflow (the default)")
+        print("On JAX, run `keras-safe-dist doctor --backend jax`.", file=sys.stderr)
+        return code
 
     # Each probe traces fresh models on purpose; retracing warnings are noise.
     tf.get_logger().setLevel("ERROR")
@@ -191,12 +215,7 @@ def _doctor_jax(args):
     from keras_safe_dist.doctor import jax as doctor_jax
 
     if not doctor_jax.installed():
-        print(
-            "keras-safe-dist doctor: --backend jax needs jax, which is not installed. "
-            f"Install it with `{doctor_jax.INSTALL_HINT}`.",
-            file=sys.stderr,
-        )
-        return 2
+        return _missing("doctor", "jax", "--backend jax")
     return doctor_jax.run(
         args.replicas, as_json=args.json, only=args.only, verbose=args.verbose
     )

@@ -95,7 +95,8 @@ def test_backend_jax_without_jax_exits_2_saying_what_to_install(monkeypatch, cap
     assert cli.main(["doctor", "--backend", "jax"]) == 2
     assert capsys.readouterr().err == (
         "keras-safe-dist doctor: --backend jax needs jax, which is not installed. "
-        "Install it with `pip install keras-safe-dist[jax]`.\n"
+        "Install the [jax] extra from the repository's root: "
+        '`pip install -c constraints.txt -e ".[jax]"`.\n'
     )
 
 

@@ -124,8 +124,9 @@ class Dashboard(keras.callbacks.Callback):
     batches.
 
     With a `SafeDistributedModel`, adding this callback to `fit()` turns on
-    its `log_update_stats` for that `fit()`: the statistics also appear in
-    `History` and the progress bar.
+    its `log_update_stats` for that `fit()`: the statistics also reach
+    `History` and every other callback (Keras's `TensorBoard` logs them as
+    `epoch_<name>`); the progress bar shows the loss and metrics alone.
 
     Args:
         log_dir: the TensorBoard log directory, the one given to

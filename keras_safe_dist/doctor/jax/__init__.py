@@ -15,9 +15,8 @@ import re
 import subprocess
 import sys
 
-__all__ = ["INSTALL_HINT", "child_environment", "installed", "run"]
+__all__ = ["child_environment", "installed", "run"]
 
-INSTALL_HINT = "pip install keras-safe-dist[jax]"
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
