@@ -133,6 +133,10 @@ CODES = {
     "JAX001": Code(
         "backend", "info", "tf.distribute check that does not apply on the JAX backend"
     ),
+    "JAX002": Code(
+        "backend", "warning",
+        "variables created before the keras.distribution distribution was set",
+    ),
     # Non-finite values.
     "NAN001": Code("non-finite", "error", "non-finite value during training"),
     "NAN002": Code("non-finite", "error", "too many consecutive skipped updates"),

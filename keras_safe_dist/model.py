@@ -9,6 +9,7 @@ import keras
 
 from keras_safe_dist import _compat
 from keras_safe_dist import _lazy
+from keras_safe_dist import _progbar
 from keras_safe_dist import _validate
 from keras_safe_dist import _warnings
 from keras_safe_dist import distributed
@@ -17,14 +18,36 @@ from keras_safe_dist.audits import scope as _scope
 from keras_safe_dist.backend import Trainer
 from keras_safe_dist.nan import rows as _nan_rows
 
+# Why an optimizer option is refused, in the terms of each backend.
+_TF_CLIPS = "clips each replica's gradient before the cross-replica all-reduce"
+_JAX_CLIPS = (
+    "clips inside the optimizer, after SafeDistributedModel has accumulated the "
+    "update, where its update statistics (`grad_norm`, `clip_rate`) do not see it "
+    "(on JAX the optimizer clips the gradient reduced over all devices, as on one "
+    "device; on TensorFlow the same option clips each replica's gradient before "
+    "the all-reduce)"
+)
 _OPTIMIZER_OPTIONS = {
-    "clipnorm": "clips each replica's gradient before the cross-replica all-reduce",
-    "global_clipnorm": "clips each replica's gradient before the cross-replica all-reduce",
-    "clipvalue": "clips each replica's gradient before the cross-replica all-reduce",
-    "gradient_accumulation_steps": (
-        "crashes under MirroredStrategy (a merge_call inside tf.cond) and "
-        "weights uneven micro-batches equally"
-    ),
+    "tensorflow": {
+        "clipnorm": _TF_CLIPS,
+        "global_clipnorm": _TF_CLIPS,
+        "clipvalue": _TF_CLIPS,
+        "gradient_accumulation_steps": (
+            "crashes under MirroredStrategy (a merge_call inside tf.cond) and "
+            "weights uneven micro-batches equally"
+        ),
+    },
+    "jax": {
+        "clipnorm": _JAX_CLIPS,
+        "global_clipnorm": _JAX_CLIPS,
+        "clipvalue": _JAX_CLIPS,
+        "gradient_accumulation_steps": (
+            "would average SafeDistributedModel's updates again inside the "
+            "optimizer, each with the same weight, so an update of fewer samples "
+            "(the end of an epoch) counts as much as a full one, and the update "
+            "statistics would count updates the optimizer does not apply"
+        ),
+    },
 }
 
 
@@ -487,7 +510,8 @@ class SafeDistributedModel(Trainer, keras.Model):
             callback.set_params(callbacks.params)
             callbacks.callbacks.insert(0, callback)
             return callbacks
-        return [callback] + list(callbacks or [])
+        # Keras then adds no progress bar of its own.
+        return [callback] + list(callbacks or []) + _progbar.for_fit(callbacks, self._stats_requested)
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
@@ -727,7 +751,8 @@ def _check_optimizer(optimizer):
     for candidate in (optimizer, inner):
         if candidate is None:
             continue
-        for name, why in _OPTIMIZER_OPTIONS.items():
+        reasons = _OPTIMIZER_OPTIONS.get(keras.backend.backend(), _OPTIMIZER_OPTIONS["tensorflow"])
+        for name, why in reasons.items():
             value = getattr(candidate, name, None)
             if value is not None:
                 raise ValueError(

@@ -129,10 +129,13 @@ class LogDirReport:
         Returns:
             A list of `Finding`s, the audits' first, in the order read.
         """
-        findings = [f for report in self.audits for f in report.findings]
+        findings = [f for _, f in _one_jax001(self._audit_findings())]
         for _, onset in self.nan_onsets:
             findings += _nan_findings(onset)
         return findings
+
+    def _audit_findings(self):
+        return [(audit.name, f) for audit in self.audits for f in audit.findings]
 
     def failing(self, fail_on):
         """The findings of severity `fail_on` or worse.
@@ -395,6 +398,31 @@ def _scalar(value):
     return float(value.simple_value)
 
 
+def _one_jax001(pairs):
+    """`(audit, finding)` pairs with every `JAX001` (one per audit on JAX) merged into one.
+
+    Each audit callback says on JAX which of its checks ran; a run with
+    several of them gets one row naming them all, where the first stood.
+    """
+    notes = [(audit, f) for audit, f in pairs if f.code == "JAX001"]
+    if len(notes) < 2:
+        return list(pairs)
+    merged = Finding.of(
+        "JAX001",
+        "the audits on JAX",
+        " ".join(f.message for _, f in notes),
+        notes[0][1].fix,
+    )
+    audits = ", ".join(dict.fromkeys(audit for audit, _ in notes))
+    result = []
+    for audit, f in pairs:
+        if f.code != "JAX001":
+            result.append((audit, f))
+        elif not any(r[1].code == "JAX001" for r in result):
+            result.append((audits, merged))
+    return result
+
+
 def _nan_findings(onset):
     """NAN001 for the onset, and NAN002 when training stopped on skips.
 
@@ -453,9 +481,7 @@ def format_text(report, fail_on="error"):
     data = report.to_dict(fail_on)
     counts = ", ".join(f"{n} {sev}" for sev, n in data["counts"].items())
     lines = [f"Log directory: {report.log_dir}", "", f"Findings ({counts}):"]
-    findings = [
-        (audit.name, f) for audit in report.audits for f in audit.findings
-    ]
+    findings = _one_jax001(report._audit_findings())
     for run, onset in report.nan_onsets:
         label = "nan onset" if run == "." else f"nan onset ({run})"
         findings += [(label, f) for f in _nan_findings(onset)]

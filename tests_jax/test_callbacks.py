@@ -249,6 +249,26 @@ def test_audit_says_once_that_tf_distribute_checks_do_not_apply(devices):
     assert "aggregation, scope, stock model" in finding.message
 
 
+def test_a_run_with_every_audit_callback_reports_one_jax001_naming_them(tmp_path):
+    from keras_safe_dist.report import format_text
+
+    x, y, _ = regression_data(16)
+    audits = [
+        callbacks.AggregationAudit(log_dir=str(tmp_path)),
+        callbacks.ScopeAudit(log_dir=str(tmp_path)),
+        callbacks.TrainingModeAudit(log_dir=str(tmp_path)),
+    ]
+    fit(mlp(), x, y, audits)
+    assert [a.report.codes() for a in audits] == [("JAX001",)] * 3  # each audit says what it ran
+    report = read_log_dir(str(tmp_path))
+    (jax001,) = [f for f in report.findings() if f.code == "JAX001"]
+    assert jax001.subject == "the audits on JAX"
+    for name in ("AggregationAudit", "ScopeAudit", "TrainingModeAudit ran MODE001 and MODE003"):
+        assert f"On Keras's JAX backend {name}" in jax001.message
+    rows = [line for line in format_text(report).splitlines() if "| JAX001 |" in line]
+    assert len(rows) == 1
+
+
 def test_audit_still_flags_a_frozen_batch_norm(devices):
     inputs = keras.Input((4,))
     norm = keras.layers.BatchNormalization(name="norm")

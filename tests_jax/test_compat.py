@@ -157,3 +157,18 @@ def test_the_coordination_client_and_keras_seed_agreement_exist():
     methods = dir(_jax.DistributedRuntimeClient)
     assert {"key_value_set", "key_value_try_get"} <= set(methods)
     assert "allow_overwrite" in _jax.DistributedRuntimeClient.key_value_set.__doc__
+
+
+def test_a_variable_laid_out_later_is_placed_on_the_layout_by_each_assignment():
+    variable = keras.Variable(np.arange(4, dtype="float32"))
+    assert variable._layout is None
+    distribution = keras.distribution.DataParallel(devices=jax.devices())
+    layout = distribution.get_variable_layout(variable)
+
+    _jax_compat.lay_out_variable(variable, layout)
+
+    assert variable._layout is layout
+    assert variable.value.sharding.is_equivalent_to(layout.backend_layout, 1)
+    variable.assign(np.zeros(4, "float32"))
+    assert variable.value.sharding.is_equivalent_to(layout.backend_layout, 1)
+    np.testing.assert_array_equal(np.array(variable.value), np.zeros(4))

@@ -555,3 +555,108 @@ def test_fit_evaluate_and_predict_on_zero_samples_raise(devices):
         with pytest.raises(ValueError, match=rf"SafeDistributedModel.{method}\(\) received data that holds no samples"):
             getattr(model, method)(*args, verbose=0)
     assert int(model.optimizer.iterations) == 0
+
+
+# A model built before keras.distribution.set_distribution(...) (JAX002).
+
+
+def _built_before_the_distribution():
+    """A model built on one device, then compiled under DataParallel over both devices."""
+    keras.distribution.set_distribution(None)
+    model = _mlp(SafeDistributedModel)
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def test_a_model_built_before_the_distribution_is_laid_out_once_and_trains_exactly():
+    x, y, _ = regression_data(32)
+    reference = _stock_fit(x, y, 32, epochs=2)
+    model = _built_before_the_distribution()
+    with pytest.warns(UserWarning) as caught:
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    messages = [str(w.message) for w in caught if "JAX002" in str(w.message)]
+    kernel, bias, out_kernel = (v.path for v in model.trainable_variables[:3])
+    # The model's 4 variables; not the optimizer's, the metrics' or the update's 6.
+    assert messages == [
+        f"SafeDistributedModel '{model.name}': 4 of 10 variables of the model, optimizer and "
+        "metrics are not laid out as DataParallel over 2 devices lays out their variables "
+        f"({kernel} is on cpu:0, not P(None, None) over 2 devices; {bias} is on cpu:0, "
+        f"not P(None,) over 2 devices; {out_kernel} is on cpu:0, not P(None, None) over 2 "
+        "devices; and 1 more): they were created before "
+        "`keras.distribution.set_distribution(...)` (or outside `distribution.scope()`), so "
+        "they stay on one device. They are now laid out on the distribution, once, with "
+        "their values unchanged (JAX002). Call `keras.distribution.set_distribution(...)` "
+        "before creating the model, the optimizer and the metrics (or create them under "
+        "`distribution.scope()`)."
+    ]
+    assert _relative_error(model, reference) < 1e-5
+    kernel = model.trainable_variables[0]
+    assert len(kernel.value.sharding.device_set) == 2
+    assert keras_safe_dist.audit(model).codes() == ("JAX001",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.fit(x, y, batch_size=32, verbose=0)  # laid out already: no second warning
+    kernel.assign(np.zeros(kernel.shape, "float32"))  # later assignments keep the layout
+    assert len(kernel.value.sharding.device_set) == 2
+
+
+def test_evaluate_and_predict_lay_out_a_model_built_before_the_distribution():
+    x, y, _ = regression_data(8)
+    model = _built_before_the_distribution()
+    with pytest.warns(UserWarning, match="JAX002"):
+        loss = model.evaluate(x, y, batch_size=8, verbose=0)
+    assert np.isfinite(loss)
+    assert model.predict(x, batch_size=8, verbose=0).shape == (8, 1)
+
+
+def test_with_several_processes_a_model_built_before_the_distribution_is_refused(monkeypatch):
+    from keras_safe_dist.backend.jax import variable_layout
+
+    model = _built_before_the_distribution()
+    monkeypatch.setattr(variable_layout.jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError) as raised:
+        variable_layout.laid_out(model)
+    message = str(raised.value)
+    assert message.startswith(f"SafeDistributedModel '{model.name}': 4 of ")
+    assert (
+        "With 2 processes each holds its own values, which cannot be laid out as one array "
+        "without knowing they agree (JAX002). Call `keras.distribution.set_distribution(...)` "
+        "before creating the model"
+    ) in message
+    assert len(model.trainable_variables[0].value.sharding.device_set) == 1
+
+
+# The optimizer options SafeDistributedModel refuses, explained in JAX's terms.
+
+
+@pytest.mark.parametrize("option", [{"global_clipnorm": 1.0}, {"clipnorm": 1.0}, {"clipvalue": 0.5}])
+def test_an_optimizer_that_clips_is_refused_with_the_reason_on_jax(option):
+    model = _mlp(SafeDistributedModel)
+    ((name, value),) = option.items()
+    with pytest.raises(ValueError) as raised:
+        model.compile(keras.optimizers.SGD(0.1, name="sgd", **option), "mse")
+    assert str(raised.value) == (
+        f"The optimizer passed to SafeDistributedModel.compile() sets `{name}={value!r}`, "
+        "which clips inside the optimizer, after SafeDistributedModel has accumulated the "
+        "update, where its update statistics (`grad_norm`, `clip_rate`) do not see it (on "
+        "JAX the optimizer clips the gradient reduced over all devices, as on one device; on "
+        "TensorFlow the same option clips each replica's gradient before the all-reduce). "
+        f"Pass `{name}` to SafeDistributedModel(...) instead and leave it unset on the "
+        "optimizer. Received optimizer: sgd"
+    )
+
+
+def test_an_optimizer_that_accumulates_is_refused_without_tensorflow_terms():
+    model = _mlp(SafeDistributedModel)
+    with pytest.raises(ValueError) as raised:
+        model.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, name="sgd"), "mse")
+    assert str(raised.value) == (
+        "The optimizer passed to SafeDistributedModel.compile() sets "
+        "`gradient_accumulation_steps=2`, which would average SafeDistributedModel's updates "
+        "again inside the optimizer, each with the same weight, so an update of fewer samples "
+        "(the end of an epoch) counts as much as a full one, and the update statistics would "
+        "count updates the optimizer does not apply. Pass `gradient_accumulation_steps` to "
+        "SafeDistributedModel(...) instead and leave it unset on the optimizer. Received "
+        "optimizer: sgd"
+    )

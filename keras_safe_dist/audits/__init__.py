@@ -4,6 +4,7 @@ import keras
 
 from keras_safe_dist._lazy import tensorflow as tf
 from keras_safe_dist.audits.aggregation import aggregation_findings
+from keras_safe_dist.audits.jax_backend import layout_findings
 from keras_safe_dist.audits.jax_backend import not_applicable
 from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.audits.scope import CreationWatch
@@ -50,8 +51,11 @@ def audit(model, strategy=None):
     `MODE002`, `MODE004`) run in the callbacks.
 
     On Keras's JAX backend the aggregation, scope and stock-model checks
-    have no meaning (see `keras_safe_dist.audits.jax_backend`): the report
-    holds one `JAX001` finding (`info`) saying so, and `MODE003`.
+    have no meaning (see `keras_safe_dist.audits.jax_backend`). The report
+    holds `MODE003`, `JAX002` for variables of the model, its optimizer or
+    its metrics not laid out as the `keras.distribution` distribution in
+    effect says (created before `set_distribution`), and one `JAX001`
+    (`info`) saying which checks ran and which do not apply.
 
     Args:
         model: a built `keras.Model`, compiled or not.
@@ -90,6 +94,7 @@ def audit(model, strategy=None):
         )
     if on_jax():
         findings = frozen_batch_norm_findings(model)
+        findings += layout_findings(model)
         findings.append(not_applicable("audit()", ("aggregation", "scope", "stock model")))
         return AuditReport("pre-flight", findings)
     strategy = training_strategy(model, strategy)

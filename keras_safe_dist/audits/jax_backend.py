@@ -1,32 +1,51 @@
-"""The audits on Keras's JAX backend: which checks have no meaning there, said once.
+"""The audits on Keras's JAX backend: what ran, what has no meaning there, said once.
 
 Under `keras.distribution` every variable is one global array laid out over
-the devices, created wherever the code runs, and XLA reduces the gradient
-inside the compiled step. So the checks of tf.distribute's machinery find
-nothing real on JAX: a variable's cross-replica aggregation (`AGG*`), the
-strategy scope objects were built in (`SCOPE*`), per-replica copies of
-non-trainable state (`MODE002`, `MODE004`) and the stock model's
-per-replica update (`DIST*`: clipping before the all-reduce, per-replica loss
-weighting). Instead of running them, an audit on JAX reports one `JAX001`
-finding of severity `info` naming what it skipped; the checks that keep
-their meaning (`MODE001`, `MODE003`) run as on TensorFlow.
+the devices, and XLA reduces the gradient inside the compiled step. So the
+checks of tf.distribute's machinery find nothing real on JAX: a variable's
+cross-replica aggregation (`AGG*`), the strategy scope objects were built in
+(`SCOPE*`), per-replica copies of non-trainable state (`MODE002`, `MODE004`)
+and the stock model's per-replica update (`DIST*`: clipping before the
+all-reduce, per-replica loss weighting). An audit on JAX reports, in one
+`JAX001` finding of severity `info`, the checks it ran and the ones that do
+not apply, with the reason in JAX's terms. The checks that keep their meaning
+(`MODE001`, `MODE003`) run as on TensorFlow, and one has a JAX form:
+variables created before the distribution was set (`JAX002`, from
+`keras_safe_dist/backend/jax/variable_layout.py`).
 """
 
 import keras
 
 from keras_safe_dist.findings import Finding
 
-__all__ = ["NOT_ON_JAX", "not_applicable", "on_jax"]
+__all__ = ["NOT_ON_JAX", "RUN_ON_JAX", "layout_findings", "not_applicable", "on_jax"]
 
-# check family: why it has no meaning on JAX
+# check family: (its codes, why it has no meaning on JAX)
 NOT_ON_JAX = {
-    "aggregation": "variables are global arrays, not per-replica copies aggregated by tf.distribute",
-    "scope": "there is no strategy scope: keras.distribution lays out a variable wherever it is created",
-    "stock model": (
-        "XLA reduces the whole batch's gradient inside the step, so a stock model clips and "
-        "weights the loss as on one device"
+    "aggregation": (
+        "AGG*",
+        "variables are global arrays, not per-replica copies that tf.distribute aggregates",
     ),
-    "replica copies": "non-trainable state is one global array, with no per-replica copies to differ",
+    "scope": (
+        "SCOPE*",
+        "there is no strategy scope; a variable takes its layout from the keras.distribution "
+        "distribution set when it is created, which audit() checks as JAX002",
+    ),
+    "stock model": (
+        "DIST*",
+        "XLA reduces the whole batch's gradient inside the step, so a stock model clips and "
+        "weights the loss as on one device",
+    ),
+    "replica copies": (
+        "MODE002, MODE004",
+        "non-trainable state is one global array, with no per-replica copies to differ",
+    ),
+}
+
+# audit: the checks it runs on JAX
+RUN_ON_JAX = {
+    "audit()": "MODE003 and JAX002",
+    "TrainingModeAudit": "MODE001 and MODE003",
 }
 
 
@@ -36,11 +55,12 @@ def on_jax():
 
 
 def not_applicable(subject, families):
-    """The `JAX001` finding for the check `families` an audit skips on JAX.
+    """The `JAX001` finding of an audit on JAX: what it ran, what does not apply and why.
 
     Args:
-        subject: what was audited, e.g. `"audit()"` or `"ScopeAudit"`.
-        families: keys of `NOT_ON_JAX`.
+        subject: the audit, e.g. `"audit()"` or `"ScopeAudit"`; the checks
+            it runs on JAX are those of `RUN_ON_JAX` (none when absent).
+        families: keys of `NOT_ON_JAX`, the checks it skips.
 
     Returns:
         A `Finding` of severity `info`.
@@ -48,16 +68,39 @@ def not_applicable(subject, families):
     Example:
 
     ```python
-    finding = not_applicable("ScopeAudit", ["scope"])
-    print(finding.code, finding.severity)  # JAX001 info
+    finding = not_applicable("TrainingModeAudit", ["replica copies"])
+    print(finding.message)  # On Keras's JAX backend TrainingModeAudit ran MODE001 and MODE003; ...
     ```
     """
-    reasons = "; ".join(f"{family}: {NOT_ON_JAX[family]}" for family in families)
+    ran = RUN_ON_JAX.get(subject)
+    codes = ", ".join(NOT_ON_JAX[family][0] for family in families)
+    reasons = "; ".join(f"{family}: {NOT_ON_JAX[family][1]}" for family in families)
+    if ran:
+        done = f"On Keras's JAX backend {subject} ran {ran}; its"
+    else:
+        done = f"On Keras's JAX backend {subject} has no check to run: its"
     return Finding.of(
         "JAX001",
         subject,
-        f"the {', '.join(families)} checks apply to tf.distribute only and were not run on "
-        f"Keras's JAX backend ({reasons}).",
-        "Nothing to fix; to run these checks, train on the TensorFlow backend under a "
-        "tf.distribute strategy.",
+        f"{done} {', '.join(families)} checks ({codes}) are tf.distribute's and do not "
+        f"apply ({reasons}).",
+        "Nothing to fix: those checks run on the TensorFlow backend under a tf.distribute "
+        "strategy.",
     )
+
+
+def layout_findings(model):
+    """`JAX002` for the variables of `model` not laid out as the distribution says (JAX only).
+
+    Args:
+        model: a built `keras.Model`.
+
+    Returns:
+        A list of at most one finding; empty off JAX, or when no distribution
+        over several devices is set.
+    """
+    if not on_jax():
+        return []
+    from keras_safe_dist.backend.jax import variable_layout
+
+    return variable_layout.layout_findings(model)

@@ -126,3 +126,17 @@ def _replicated_if_indivisible(batch, layout):
     return jax.device_put(
         batch, jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
     )
+
+
+def lay_out_variable(variable, layout):
+    """Gives `variable` the `layout` Keras gives it at creation, and moves its value there.
+
+    A `keras.Variable` created under a distribution keeps its layout in
+    `_layout`, and each assignment places the value with it (Keras's JAX
+    `Variable._direct_assign`). Setting it afterwards, then assigning the
+    variable its own value, makes the variable as if created under the
+    distribution: the value is the same, laid out on the distribution's
+    devices, and later assignments (`load_weights`) are placed there too.
+    """
+    variable._layout = layout
+    variable.assign(variable.value)

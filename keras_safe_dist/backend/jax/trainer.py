@@ -29,6 +29,7 @@ from keras_safe_dist import statistics
 from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax import _shares
 from keras_safe_dist.backend.jax import _watchdog
+from keras_safe_dist.backend.jax import variable_layout
 from keras_safe_dist.backend.jax._update import JAXUpdateEngine
 
 
@@ -50,7 +51,10 @@ class JAXTrainer(_compat.EpochEndOverride):
         return False
 
     def _check_placement(self, where, optimizer=None, metrics=()):
-        """No strategy scope on JAX: `keras.distribution` lays out variables wherever created."""
+        """No strategy scope on JAX: variables created before the distribution are laid out later.
+
+        See `variable_layout.laid_out`, called before each step is compiled.
+        """
 
     def _check_fit_data(self, x, batch_size):
         """Every batch size works on JAX (see `_jax_compat.uneven_batches_replicated`)."""
@@ -97,7 +101,14 @@ class JAXTrainer(_compat.EpochEndOverride):
         with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().predict(*args, **kwargs)
 
+    def make_test_function(self, force=False):
+        if self.test_function is None or force:
+            variable_layout.laid_out(self)
+        return super().make_test_function(force)
+
     def make_predict_function(self, force=False):
+        if self.predict_function is None or force:
+            variable_layout.laid_out(self)
         super().make_predict_function(force)
         function = self.predict_function
         if jax.process_count() == 1 or getattr(function, "_local_rows", False):
@@ -143,6 +154,8 @@ class JAXTrainer(_compat.EpochEndOverride):
             if engine is not None:
                 engine.flush()
             self._update_engine = JAXUpdateEngine(self)
+        # Variables created before the distribution was set: on it, once.
+        variable_layout.laid_out(self)
         super().make_train_function(force=True)
         self.__dict__["_nan_batches"] = None
         if self._nan_probe_request is not None:
