@@ -48,6 +48,6 @@ def test_jax_has_no_tensorflow_files_and_says_which_it_has():
 
 def test_jax_pass_without_jax_is_a_setup_error_naming_the_extra(monkeypatch):
     monkeypatch.setattr(run.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(run.SetupError, match=r"pip install keras-safe-dist\[jax\]"):
+    with pytest.raises(run.SetupError, match=r"pip install -c constraints.txt -e \"\.\[jax\]\""):
         run._check_backend("jax")
     run._check_backend("tensorflow")
