@@ -22,6 +22,38 @@ from keras_safe_dist.launch import WorkerGroup
 from conftest import relative_error
 from conftest import strategy_for
 
+# Per-worker data trains exactly from Keras 3.15; earlier releases refuse it
+# (test_per_worker_data_is_refused_where_keras_trains_it_on_other_batches).
+_needs_exact_keras = pytest.mark.skipif(
+    not _tf_compat.PER_WORKER_DATA_EXACT,
+    reason=f"Keras {keras.__version__} refuses per-worker data (it trains on other batches)",
+)
+
+
+@pytest.fixture(autouse=True)
+def _per_worker_logic_on_any_keras(monkeypatch):
+    """The in-process tests check the detection and the rewriting on every Keras."""
+    monkeypatch.setattr(_tf_compat, "PER_WORKER_DATA_EXACT", True)
+
+
+def test_per_worker_data_is_refused_where_keras_trains_it_on_other_batches(monkeypatch):
+    monkeypatch.setattr(_tf_compat, "PER_WORKER_DATA_EXACT", False)
+    monkeypatch.setattr(_per_worker, "_workers", lambda strategy: 2)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    dataset = tf.data.Dataset.range(4).batch(2).with_options(options)
+    strategy = strategy_for(2)
+    for data in (dataset, strategy.distribute_datasets_from_function(lambda _: dataset)):
+        with pytest.raises(ValueError) as error:
+            _per_worker.is_per_worker(strategy, data)
+        assert (
+            "Under MultiWorkerMirroredStrategy SafeDistributedModel trains on such data exactly "
+            f"with Keras 3.15 or later; on Keras {keras.__version__} it would train on other "
+            "batches than one device does."
+        ) in str(error.value)
+    # Data TensorFlow shards across the workers is not refused.
+    assert not _per_worker.is_per_worker(strategy, tf.data.Dataset.range(4).batch(2))
+
 WORKER = str(pathlib.Path(__file__).resolve().parent / "mw_per_worker.py")
 TIMEOUT = 240  # seconds; a hung collective fails the test instead of CI
 PER_REPLICA = 4  # mw_per_worker.GLOBAL_BATCH over 2 workers
@@ -106,6 +138,7 @@ def check_against_one_device(results, train, val, test, steps, epochs=2):
 
 
 @pytest.mark.processes
+@_needs_exact_keras
 def test_equal_per_worker_datasets_without_sharding_train_every_batch_exactly():
     # 32 rows a worker in global batches of 8: 8 steps of 4 + 4 rows an epoch,
     # where Keras read 4 (the batches before TensorFlow splits them) and
@@ -121,6 +154,7 @@ def test_equal_per_worker_datasets_without_sharding_train_every_batch_exactly():
 
 
 @pytest.mark.processes
+@_needs_exact_keras
 def test_uneven_per_worker_datasets_from_a_function_accumulate_exactly():
     # 32 and 33 rows: 9 steps an epoch, the last only worker 1's row; with
     # gradient_accumulation_steps=2 the 5th update of each epoch is the

@@ -247,6 +247,14 @@ def set_optional_spec(optional, spec):
     optional._element_spec = spec
 
 
+# Per-worker data of unknown length (`_per_worker.py`) matches one device on
+# Keras 3.15; on Keras 3.10 (the floor) the same run trains on other batches
+# (0.73 relative from one device, tests/test_per_worker.py), and the releases
+# between are not measured: the data is refused there rather than trained on
+# wrongly. A release tuple, the one version comparison of this module.
+PER_WORKER_DATA_EXACT = tuple(int(part) for part in keras.__version__.split(".")[:2]) >= (3, 15)
+
+
 def data_adapter(x, y, sample_weight, batch_size, shuffle, class_weight):
     """Keras's own data adapter for `fit()`/`evaluate()` data, with its checks and warnings."""
     return _keras_data_adapters.get_data_adapter(

@@ -135,10 +135,26 @@ def is_per_worker(strategy, data):
     elif isinstance(data, tf.distribute.DistributedDataset):
         source = _tf_compat.distributed_source(data)
         if source is None:  # distribute_datasets_from_function
-            return True
+            return _exact_here()
     else:
         return False
-    return source.options().experimental_distribute.auto_shard_policy in _PER_WORKER_POLICIES
+    if source.options().experimental_distribute.auto_shard_policy not in _PER_WORKER_POLICIES:
+        return False
+    return _exact_here()
+
+
+def _exact_here():
+    """True where per-worker data trains exactly; raises on the Keras releases where it does not."""
+    if not _tf_compat.PER_WORKER_DATA_EXACT:
+        raise ValueError(
+            "Each worker reads data of its own here (distribute_datasets_from_function, or "
+            "an auto_shard_policy of OFF, FILE or HINT). Under MultiWorkerMirroredStrategy "
+            "SafeDistributedModel trains on such data exactly with Keras 3.15 or later; on "
+            f"Keras {keras.__version__} it would train on other batches than one device does. "
+            "Upgrade Keras to 3.15 or later, or let TensorFlow shard one dataset across the "
+            "workers (auto_shard_policy AUTO or DATA)."
+        )
+    return True
 
 
 def unknown_length(x, y, sample_weight, batch_size, shuffle, class_weight):
