@@ -15,7 +15,10 @@ import keras
 
 from keras_safe_dist.findings import Finding
 
-__all__ = ["batch_findings", "current_distribution", "is_chief", "state_findings"]
+__all__ = [
+    "batch_findings", "current_distribution", "distribution_name", "examples", "is_chief",
+    "misplaced", "state_findings",
+]
 
 _EXAMPLES = 3
 
@@ -52,7 +55,7 @@ def state_findings(distribution, train_state, state, where):
             count += 1
             layout = distribution.get_variable_layout(variable)
             expected = getattr(layout, "backend_layout", layout)
-            problem = _misplaced(value, expected)
+            problem = misplaced(value, expected)
             if problem:
                 wrong.append(f"{variable.path} {problem}")
     if not wrong:
@@ -80,7 +83,7 @@ def state_findings(distribution, train_state, state, where):
             "LOOP004",
             f"state {where}",
             f"{len(wrong)} of {count} state values {where} are not laid out as "
-            f"{_name(distribution)} lays out their variables ({_examples(wrong)}): "
+            f"{distribution_name(distribution)} lays out their variables ({examples(wrong)}): "
             f"{cause}.",
             fix,
         )
@@ -101,7 +104,7 @@ def batch_findings(distribution, data):
     leaves = [leaf for leaf in keras.tree.flatten(data) if len(getattr(leaf, "shape", ())) > 0]
     for position, leaf in enumerate(leaves):
         layout = distribution.get_data_layout(tuple(leaf.shape))
-        problem = _misplaced(leaf, getattr(layout, "backend_layout", layout))
+        problem = misplaced(leaf, getattr(layout, "backend_layout", layout))
         if problem:
             wrong.append(f"array {position} of shape {tuple(leaf.shape)} {problem}")
     if not wrong:
@@ -111,7 +114,7 @@ def batch_findings(distribution, data):
             "LOOP004",
             "batch",
             f"{len(wrong)} of {len(leaves)} batch arrays are not split along the batch "
-            f"dimension as {_name(distribution)} says ({_examples(wrong)}): the step "
+            f"dimension as {distribution_name(distribution)} says ({examples(wrong)}): the step "
             "computes the whole batch on every device (or fails on mixed devices) "
             "instead of a share on each.",
             "Place each batch with `keras.distribution.distribute_tensor(x, "
@@ -120,7 +123,7 @@ def batch_findings(distribution, data):
     ]
 
 
-def _misplaced(value, expected):
+def misplaced(value, expected):
     """Why `value` is not laid out as `expected` (a `jax.sharding.Sharding`), or None."""
     if expected is None:
         return None  # the distribution gives no layout: any is right
@@ -138,11 +141,11 @@ def _misplaced(value, expected):
     return f"is {where}, not {want} over {len(expected.device_set)} devices"
 
 
-def _examples(items):
+def examples(items):
     shown = "; ".join(items[:_EXAMPLES])
     more = len(items) - _EXAMPLES
     return shown + (f"; and {more} more" if more > 0 else "")
 
 
-def _name(distribution):
+def distribution_name(distribution):
     return f"{type(distribution).__name__} over {distribution.device_mesh.devices.size} devices"

@@ -15,10 +15,10 @@ import jax
 
 from keras_safe_dist import _warnings
 from keras_safe_dist.backend.jax import _compat as _jax_compat
-from keras_safe_dist.backend.jax.train_step_layout import _examples
-from keras_safe_dist.backend.jax.train_step_layout import _misplaced
-from keras_safe_dist.backend.jax.train_step_layout import _name
 from keras_safe_dist.backend.jax.train_step_layout import current_distribution
+from keras_safe_dist.backend.jax.train_step_layout import distribution_name
+from keras_safe_dist.backend.jax.train_step_layout import examples
+from keras_safe_dist.backend.jax.train_step_layout import misplaced
 from keras_safe_dist.findings import Finding
 
 __all__ = ["layout_findings", "laid_out"]
@@ -125,17 +125,17 @@ def _misplaced_variables(distribution, variables):
     wrong = []
     for variable in variables:
         layout = distribution.get_variable_layout(variable)
-        problem = _misplaced(variable.value, getattr(layout, "backend_layout", layout))
+        problem = misplaced(variable.value, getattr(layout, "backend_layout", layout))
         if problem:
             wrong.append((variable, layout, problem))
     return wrong
 
 
 def _summary(distribution, wrong, variables):
-    examples = _examples([f"{variable.path} {problem}" for variable, _, problem in wrong])
+    shown = examples([f"{variable.path} {problem}" for variable, _, problem in wrong])
     return (
         f"{len(wrong)} of {len(variables)} variables of the model, optimizer and metrics "
-        f"are not laid out as {_name(distribution)} lays out their variables ({examples})"
+        f"are not laid out as {distribution_name(distribution)} lays out their variables ({shown})"
     )
 
 
