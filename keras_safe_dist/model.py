@@ -498,6 +498,9 @@ class SafeDistributedModel(Trainer, keras.Model):
     def _set_requests(self, callbacks):
         """What the step adds to the logs, from the option and the callbacks."""
         self._nan_probe_request = nan.request_from(callbacks)
+        # Before Keras builds its callback list: a detector whose record the
+        # step keeps reads no step's logs, and Keras's batch hooks stay asynchronous.
+        nan.record_in_step(callbacks, self._nan_probe_request is not None and self._watches_nan_in_step())
         self._stats_requested = self.log_update_stats or _requests_update_stats(
             callbacks
         )
@@ -583,7 +586,7 @@ class _EpochBoundary(keras.callbacks.Callback):
             or not model.skip_nonfinite
             or engine.loss_scale is not None
             or model._nan_probe is not None
-            or model.__dict__.get("_nan_batches") is not None  # JAX's detector
+            or engine.watch is not None  # JAX's detector
         ):
             return
         first = engine.first_skip()

@@ -648,6 +648,8 @@ def test_input_and_weight_checks_count_only_nan_and_inf_and_gradient_checks_coun
         ({"history": 0}, "`history` must be an integer >= 1. Received: history=0"),
         ({"history": 2.5}, "Received: history=2.5"),
         ({"max_consecutive_skips": True}, "`max_consecutive_skips` must be an integer >= 1. Received: max_consecutive_skips=True"),
+        ({"check_every": 0}, "`check_every` must be an integer >= 1. Received: check_every=0"),
+        ({"check_every": "8"}, "`check_every` must be an integer >= 1. Received: check_every='8'"),
     ],
 )
 def test_bad_arguments_raise_naming_argument_and_value(kwargs, message):
@@ -736,9 +738,12 @@ def test_several_steps_per_execution_are_refused_where_the_batch_cannot_be_named
 
 
 def test_config_round_trip(tmp_path):
-    detector = NaNOnsetDetector(log_dir=tmp_path, action="continue", history=7, max_consecutive_skips=2)
+    detector = NaNOnsetDetector(
+        log_dir=tmp_path, action="continue", history=7, max_consecutive_skips=2, check_every=5
+    )
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(detector))
     assert isinstance(restored, NaNOnsetDetector)
     assert restored.get_config() == {
-        "log_dir": str(tmp_path), "action": "continue", "history": 7, "max_consecutive_skips": 2
+        "log_dir": str(tmp_path), "action": "continue", "history": 7, "max_consecutive_skips": 2,
+        "check_every": 5,
     }

@@ -221,6 +221,60 @@ def test_nan_detector_continue_stops_after_consecutive_skips(devices, capsys):
     assert "3 consecutive updates were skipped" in capsys.readouterr().out
 
 
+def test_nan_detector_stops_within_two_checks_with_the_weights_of_the_onset(devices):
+    # The step records the onset and holds the state after it; the host
+    # reads the record every check_every steps, one check behind.
+    x, y, _ = regression_data(200)  # 25 batches of 8
+    x[58, 1] = np.nan  # batch 7
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(inputs))
+    model = SafeDistributedModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    stock = keras.Model(inputs, outputs)  # the same layers: one device, stock Keras
+    stock.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    initial = model.get_weights()
+    detector = callbacks.NaNOnsetDetector(check_every=3)
+    fit(model, x, y, [detector], epochs=1)
+    report = detector.report
+    assert (report["batch"], report["kind"], report["rows"]) == (7, "inputs", [2])
+    # Checks before batches 3, 6, 9 and 12: the one at 12 reads the record
+    # as of step 8 and stops; step 12 runs held. 2 * 3 steps after the onset.
+    assert model._update_engine.watch.read().steps == 13
+    assert int(model.optimizer.iterations.value) == 7
+    trained = model.get_weights()
+    stock.set_weights(initial)
+    fit(stock, x[:56], y[:56], None, epochs=1)  # the 7 batches before the onset
+    for ours, theirs in zip(trained, stock.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert [row["batch"] for row in report["history"]] == list(range(8))
+
+
+def test_nan_detector_names_the_batch_with_several_steps_per_execution(devices):
+    x, y, _ = regression_data(80)
+    x[37, 0] = np.nan  # batch 4, row 5
+    model = mlp(steps=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=3)
+    detector = callbacks.NaNOnsetDetector(check_every=2)
+    fit(model, x, y, [detector])
+    report = detector.report
+    assert (report["epoch"], report["batch"], report["kind"], report["rows"]) == (0, 4, "inputs", [5])
+    assert not keras_safe_dist.backend.jax.nan_locate.nonfinite_weights(model)
+
+
+def test_nan_detector_restore_puts_back_the_weights_before_the_update_that_overflowed(devices):
+    x, y, _ = regression_data(40)
+    detector = callbacks.NaNOnsetDetector(action="restore")
+    model = mlp(learning_rate=1e37)
+    model.global_clipnorm = None
+    initial = model.get_weights()
+    fit(model, x * 1e3, y * 1e3, [detector])
+    report = detector.report
+    assert (report["batch"], report["kind"]) == (0, "weights")
+    assert report["restored_to"] == "before this batch"
+    for restored, before in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(restored, before)
+
+
 def test_nan_detector_reads_the_loss_of_a_plain_keras_model(devices):
     x, y, _ = regression_data(40)
     x[13, 0] = np.nan

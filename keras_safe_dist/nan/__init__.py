@@ -10,10 +10,11 @@
 Each backend's in-step checks, replay and location of the bad micro-batch
 are in its own folder: `backend/tensorflow/nan_probe.py`, `nan_replay.py`
 and `nan_locate.py`; `backend/jax/nan_locate.py`. The model depends on
-`request_from` only. Nothing here imports TensorFlow or jax.
+`request_from` and `record_in_step` only. Nothing here imports TensorFlow or jax.
 """
 
 from keras_safe_dist.nan.flags import ProbeRequest
+from keras_safe_dist.nan.flags import record_in_step
 from keras_safe_dist.nan.flags import request_from
 
-__all__ = ["ProbeRequest", "request_from"]
+__all__ = ["ProbeRequest", "record_in_step", "request_from"]

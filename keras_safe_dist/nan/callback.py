@@ -75,14 +75,23 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     markdown summary (`tf.summary.text`, tag `nan_onset`) into `log_dir` (the
     chief only), prints one paragraph, and keeps the report in `self.report`.
 
-    On Keras's JAX backend the step carries no probes: the detector checks
-    each step's logged loss, `grad_norm` and `skipped_updates` (reading the
-    logs each batch, so Keras's asynchronous batch hooks are off during its
-    `fit()`), and the weights at an onset and at epoch ends. At the onset
-    it replays the micro-batches of that update group eagerly with
-    `model.stateless_call` (see `keras_safe_dist.backend.jax.nan_locate`) to name the
-    kind, the first layer with a non-finite output from finite inputs and
-    the sample `rows` of the micro-batch that hold the value; a batch is one
+    On Keras's JAX backend the compiled step decides: it records the first
+    step whose micro-batch loss or update is non-finite in a small array on
+    the device (`keras_safe_dist.backend.jax.nan_watch`), and with
+    `action="stop"` or `"restore"` every later step leaves the weights,
+    optimizer state and non-trainable variables as they are. The detector
+    reads no step's logs, so Keras keeps dispatching batch hooks
+    asynchronously: every `check_every` steps it starts an asynchronous copy
+    of the record to the host and reads the one started `check_every` steps
+    before, and it reads the record at each epoch's end. Training therefore
+    stops at most `2 * check_every` steps after the onset (at the epoch's
+    end at the latest), with the state of the onset. It then replays the
+    micro-batches of the onset's accumulation group eagerly with
+    `model.stateless_call` (see `keras_safe_dist.backend.jax.nan_locate`) to
+    name the kind, the first layer with a non-finite output from finite
+    inputs and the sample `rows`; the batches of the last
+    `2 * check_every + gradient_accumulation_steps` steps are kept by
+    reference for it (that many batches of device memory). A batch is one
     global array there, so `replica` is None and `replicas` empty.
 
     With a plain `keras.Model` only the logged loss is checked each step, and
@@ -110,11 +119,15 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             integer >= 1.
         max_consecutive_skips: with `action="continue"`, how many skipped
             updates in a row end training; integer >= 1.
+        check_every: on JAX with a `SafeDistributedModel`, the steps between
+            two reads of the step's record; integer >= 1. Smaller stops
+            sooner after an onset and keeps fewer batches; each read costs
+            one small device copy.
 
     Raises:
         ValueError: for an `action` other than `"stop"`, `"restore"` and
-            `"continue"`, or a `history` or `max_consecutive_skips` that is
-            not an integer >= 1; when training begins, for
+            `"continue"`, or a `history`, `max_consecutive_skips` or
+            `check_every` that is not an integer >= 1; when training begins, for
             `action="continue"` without a SafeDistributedModel that skips
             non-finite updates, or for `steps_per_execution > 1` with a
             plain `keras.Model`, `run_eagerly=True` or `action="continue"`.
@@ -133,7 +146,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, log_dir=None, action="stop", history=50, max_consecutive_skips=10):
+    def __init__(
+        self, log_dir=None, action="stop", history=50, max_consecutive_skips=10, check_every=32
+    ):
         if action not in ACTIONS:
             raise ValueError(
                 f"`action` must be one of {', '.join(repr(a) for a in ACTIONS)}. "
@@ -143,16 +158,35 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         max_consecutive_skips = _validate.integer_at_least(
             "max_consecutive_skips", max_consecutive_skips
         )
+        check_every = _validate.integer_at_least("check_every", check_every)
         super().__init__()
         self.log_dir = _validate.optional_path("log_dir", log_dir)
         self.action = action
         self.history = history
         self.max_consecutive_skips = max_consecutive_skips
+        self.check_every = check_every
         self.report = None
+        self._in_step = False
 
-    # Read by SafeDistributedModel.fit(): the detector reads `grad_norm` and
-    # `skipped_updates` from the logs, so they are logged during its fit().
-    requests_update_stats = True
+    @property
+    def requests_update_stats(self):
+        """Read by SafeDistributedModel.fit(): the detector reads `grad_norm` and
+        `skipped_updates` from each step's logs, unless the step keeps its record."""
+        return not self._in_step
+
+    @property
+    def async_safe(self):
+        """Read by Keras's callback list: with the record kept in the step, no batch hook reads logs."""
+        return self._in_step
+
+    def record_in_step(self, enabled):
+        """Called by `SafeDistributedModel.fit()` before Keras builds its callback list.
+
+        Args:
+            enabled: whether the train step keeps this detector's record on
+                the device (JAX), so that it reads no step's logs.
+        """
+        self._in_step = bool(enabled)
 
     def nan_probe_request(self):
         """What `SafeDistributedModel.fit` builds into its train step for this detector.
@@ -162,7 +196,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             count of applied updates with `action="continue"`.
         """
         return _nan_flags.ProbeRequest(
-            snapshot=self.action == "restore", count_updates=self.action == "continue"
+            snapshot=self.action == "restore",
+            count_updates=self.action == "continue",
+            action=self.action,
+            history=self.history,
+            check_every=self.check_every,
+            max_consecutive_skips=self.max_consecutive_skips,
         )
 
     def get_config(self):
@@ -171,6 +210,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             "action": self.action,
             "history": self.history,
             "max_consecutive_skips": self.max_consecutive_skips,
+            "check_every": self.check_every,
         }
 
     @classmethod
@@ -183,8 +223,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         model = self.model
         self._probe = getattr(model, "_nan_probe", None)
         self._full = isinstance(model, SafeDistributedModel) and self._probe is not None
-        # Keras's JAX backend: the logs and the model state, no in-step probe.
-        self._jax = on_jax() and isinstance(model, SafeDistributedModel)
+        # Keras's JAX backend: the step's record on the device.
+        self._watch = None
+        if on_jax() and isinstance(model, SafeDistributedModel):
+            self._watch = model._update_engine.watch
+        self._jax = self._watch is not None
         counts_skips = self._full or self._jax
         if self.action == "continue" and not (counts_skips and model.skip_nonfinite):
             raise ValueError(
@@ -210,7 +253,17 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._skipped_seen = 0
         self._applied_seen = 0
         self._plain_snapshots = None
-        self._skips_logged = 0
+        if self._jax:
+            self._watch.reset()
+        self._pending = None  # JAX: the record's transfer started at the last check
+        self._next_check = self.check_every
+        self._epoch_starts = {}  # JAX: epoch -> its first step in this fit()
+        self._steps_read = 0
+        self._stopped_at_limit = False
+
+    def on_train_end(self, logs=None):
+        self._pending = None
+        self._in_step = False
 
     def _check_steps_per_execution(self, model):
         steps = getattr(model, "steps_per_execution", 1)
@@ -219,11 +272,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         # A SafeDistributedModel's execution ends at the step that fired, and
         # says how many steps it ran; Keras's own returns only the last step's logs.
         if self._jax:
-            problem, fix = (
-                "Keras's JAX backend, whose executions report only their last step",
-                "Use steps_per_execution=1",
-            )
-        elif not self._full:
+            return
+        if not self._full:
             problem, fix = (
                 f"a {type(model).__name__}, whose executions report only their last step",
                 "Use a SafeDistributedModel, or steps_per_execution=1",
@@ -246,11 +296,17 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._applied_seen = 0
-        batches = self._model.__dict__.get("_nan_batches") if self._jax else None
-        if batches is not None:
-            batches.clear()  # an accumulation group never spans epochs
+        self._epoch_starts[epoch] = self._steps_read
+        self._next_check = self.check_every
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._jax:
+            # No log is read: every `check_every` steps, the record's copy
+            # started at the check before (on the host by now), and a new one.
+            if batch >= self._next_check:
+                self._next_check = batch + self.check_every
+                self._check_record()
+            return
         self._execution_begin = batch
         if self.action == "restore" and not self._full:
             # Plain keras.Model, or JAX: two rotating copies, taken eagerly (no host transfer).
@@ -265,10 +321,14 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     # This hook reads the step's logs. Keras's TensorFlow trainer never
     # dispatches batch hooks asynchronously (its backend is not thread safe)
     # and converts the logs to Python numbers before calling any of them, so
-    # overriding it adds no host sync. On JAX it does turn Keras's
-    # asynchronous dispatch off: reading each step's loss is how the
-    # detector names the onset batch without an in-step probe.
+    # overriding it adds no host sync. On JAX a SafeDistributedModel's step
+    # keeps the record instead, and the detector declares itself async-safe
+    # (this hook returns at once); with a plain keras.Model on JAX it does
+    # turn Keras's asynchronous dispatch off: reading each step's loss is how
+    # the detector names the onset batch there.
     def on_train_batch_end(self, batch, logs=None):
+        if self._in_step:
+            return  # JAX: the step keeps the record (see on_train_batch_begin)
         logs = logs or {}
         flags = {name: logs.pop(name) for name in _nan_flags.LOG_NAMES if name in logs}
         loss, norm = logs.get("loss"), logs.get("grad_norm")
@@ -283,9 +343,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._recent.append({"epoch": self._epoch, "batch": batch, "loss": loss, "grad_norm": norm})
         self._previous, self._last_batch = self._last_batch, (self._epoch, batch)
         self._step += steps
-        if self.report is None and self._jax:
-            self._check_jax_step(logs, loss, norm)
-        elif self.report is None:
+        if self.report is None:
             logged = {
                 "loss": loss is not None and not math.isfinite(loss),
                 # Under loss scaling non-finite gradients are routine.
@@ -295,11 +353,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 step = _nan_flags.decode(flags, self._replicas) if flags else None
                 # Weights non-finite when this step began: the previous update broke them.
                 self._onset(step, logged, previous=step is not None and step.weights > 0)
-        if self.action == "continue" and self._jax:
-            applied = self.model._update_engine.updates_in_epoch()
-            self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
-            self._applied_seen = applied
-        elif self.action == "continue" and "applied_updates" in flags:
+        if self.action == "continue" and "applied_updates" in flags:
             applied = int(round(flags["applied_updates"]))
             self._count_skips(logs.get("skipped_updates"), applied > self._applied_seen)
             self._applied_seen = applied
@@ -308,10 +362,17 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         logs = logs or {}
         for name in _nan_flags.LOG_NAMES:
             logs.pop(name, None)
-        if self.report is None and self._jax and self._new_skip(logs):
-            # The epoch-end flush of a partial accumulation group was skipped.
-            self._onset(None, {"loss": False, "grad_norm": True})
-        if self.action == "continue" and (self._full or self._jax) and not self.model.stop_training:
+        if self._jax:
+            # Keras put the state back on the model at the epoch's end: one read.
+            self._pending = None
+            self._act_on_record(self._watch.read())
+            if self.report is None and self._last_batch is not None:
+                weights = self._nonfinite_weights()
+                if weights:
+                    self._at_step(self._steps_read - 1)
+                    self._onset(None, {"loss": False, "grad_norm": False}, weights=weights)
+            return
+        if self.action == "continue" and self._full and not self.model.stop_training:
             # A partial accumulation group may have been applied or skipped
             # after the last step (SafeDistributedModel's epoch-end flush).
             applied = self._updates_in_epoch()
@@ -326,7 +387,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     # Onset.
 
-    def _onset(self, step, logged, previous=False, weights=None):
+    def _onset(self, step, logged, previous=False, weights=None, onset=None):
         """Builds, writes and acts on the report.
 
         Args:
@@ -335,6 +396,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             previous: the weights were non-finite when the last step began:
                 report the step before it, and restore from before that one.
             weights: paths of the non-finite weights, when already checked.
+            onset: JAX: the step's record (`nan_watch.Onset`).
         """
         model = self.model
         history = list(self._recent)
@@ -360,8 +422,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if weights is None:
             weights = self._nonfinite_weights()
         shares = {}
-        if self._jax:
-            shares = self._locate_jax(report, step, logged, weights, previous)
+        if self._jax and onset is not None:
+            shares = self._locate_jax(report, logged, weights, previous, onset)
+        elif self._jax:
+            report["kind"] = "weights"
+            report["variables"] = list(weights)
         elif self._full:
             restore = self._probe.restore if self.action == "restore" else None
             shares = _tf_locate().locate(model, self._probe, report, step, logged, weights, restore)
@@ -416,34 +481,63 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 report.update(kind="weights", variables=broken)
                 report["epoch"], report["batch"] = self._previous
 
-    def _check_jax_step(self, logs, loss, norm):
-        """On JAX: an onset when the step's loss or gradient norm is non-finite, or it skipped."""
-        logged = {
-            "loss": loss is not None and not math.isfinite(loss),
-            "grad_norm": norm is not None and not math.isfinite(norm) and not self._loss_scaled,
-        }
-        if not (self._new_skip(logs) or any(logged.values())):
-            return
-        weights = self._nonfinite_weights()
-        # The weights were non-finite before this step when it left them
-        # unchanged (skipped, or no update in it), or the copy from before it
-        # says so: the update before it broke them.
-        previous = bool(weights) and (
-            self.model.skip_nonfinite
-            if self._plain_snapshots is None
-            else not self._plain_snapshots.finite_before(self._step - 1)
-        )
-        self._onset(None, logged, previous=previous, weights=weights)
+    # JAX: the step's record.
 
-    def _new_skip(self, logs):
-        skipped = logs.get("skipped_updates")
-        if skipped is None or self._loss_scaled:
-            return False
-        new = int(round(skipped)) > self._skips_logged
-        self._skips_logged = int(round(skipped))
-        return new
+    def _check_record(self):
+        if self._pending is not None:
+            onset = self._watch.finish_read(self._pending)
+            self._pending = None
+            if self._act_on_record(onset):
+                return
+        if self.report is None or (self.action == "continue" and not self._stopped_at_limit):
+            self._pending = self._watch.start_read(self.model)
 
-    def _locate_jax(self, report, step, logged, weights, previous):
+    def _act_on_record(self, onset):
+        """Reports an onset the record holds, and stops where it says; returns whether it acted."""
+        model = self.model
+        self._steps_read = onset.steps
+        acted = False
+        if self.report is None and onset.step is not None:
+            model.jax_state_sync()  # the state the record held, on the model
+            self._at_step(onset.step)
+            logged = {"loss": onset.loss, "grad_norm": onset.update}
+            weights = self._nonfinite_weights()
+            # Weights non-finite at the onset step's start (with the
+            # update skipped or held, they are still those): the update
+            # before it made them so.
+            previous = bool(weights) and (model.skip_nonfinite or self.action == "restore")
+            self._onset(None, logged, previous=previous, weights=weights, onset=onset)
+            acted = True
+        if onset.limit_step is not None and not self._stopped_at_limit:
+            self._stopped_at_limit = True
+            model.stop_training = True
+            epoch, batch = self._batch_of(onset.limit_step)
+            self._report_skips(self.max_consecutive_skips, epoch, batch)
+            acted = True
+        if onset.steps > self._epoch_starts.get(self._epoch, 0) and self.report is None:
+            # The last step, for the epoch-end check of the weights.
+            self._last_batch = self._batch_of(onset.steps - 1)
+        return acted
+
+    def _batch_of(self, step):
+        """`(epoch, batch)` of a step of this fit() (JAX's record counts steps)."""
+        epoch = max(e for e, first in self._epoch_starts.items() if first <= step)
+        return epoch, step - self._epoch_starts[epoch]
+
+    def _at_step(self, step):
+        """Sets the position the report reads to the record's step, with its history."""
+        self._step = step + 1
+        self._last_batch = self._batch_of(step)
+        self._previous = self._batch_of(step - 1) if step > 0 else None
+        self._recent.clear()
+        onset = self._watch.read()
+        for index, loss, norm in self._watch.history_rows(onset, self.history):
+            epoch, batch = self._batch_of(index)
+            self._recent.append(
+                {"epoch": epoch, "batch": batch, "loss": loss, "grad_norm": norm}
+            )
+
+    def _locate_jax(self, report, logged, weights, previous, onset):
         """Fills the report on JAX; returns `{None: (names, arrays)}` of the batch to save."""
         model = self.model
         report["rows"] = []
@@ -452,15 +546,22 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             return {}
         fallback = "loss" if logged["loss"] else "gradients"
         if weights:
-            # skip_nonfinite=False: the step applied its non-finite update.
-            if self._plain_snapshots is None or self._plain_snapshots.restore(self._step - 1) is None:
-                report["kind"] = fallback
-                report["notes"].append(
-                    "The step applied its non-finite update (skip_nonfinite=False), so the "
-                    "batch was not replayed; use action='restore' to replay it."
-                )
-                return {}
-        batches = list(model.__dict__.get("_nan_batches") or [])
+            report["kind"] = fallback
+            report["notes"].append(
+                "The step applied its non-finite update (skip_nonfinite=False), so the "
+                "batch was not replayed; use action='restore' to replay it."
+            )
+            return {}
+        first, batches = self._watch.group(onset)
+        if not batches:
+            report["kind"] = fallback
+            report["notes"].append("The onset's batches were no longer kept, so none was replayed.")
+            return {}
+        if self.action == "continue" and self._steps_read > onset.step + 1:
+            report["notes"].append(
+                "With action='continue' the batch was replayed with the weights of "
+                f"{self._steps_read - onset.step - 1} steps later."
+            )
         index, found = _jax_locate().locate(model, batches)
         if found.kind is None:
             report["kind"] = fallback
@@ -482,6 +583,15 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         return {None: _jax_locate().named_arrays(batches[index])}
 
     def _restore(self, report, previous):
+        if self._jax:
+            # The step held the onset's update and every later one: the
+            # weights are those from before the onset batch.
+            if previous and not self._watch.restore_previous(self.model):
+                report["restored_to"] = None
+                report["notes"].append("No finite copy of the weights was available to restore.")
+                return
+            report["restored_to"] = "before this batch"
+            return
         if self._full:
             if previous and self._previous is None:
                 report["restored_to"] = None
@@ -492,7 +602,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             return
         restored = None
         if self._plain_snapshots is not None:
-            restored = self._plain_snapshots.restore(self._step - 1 - int(previous and self._jax))
+            restored = self._plain_snapshots.restore(self._step - 1)
         if restored is None:
             report["notes"].append("No finite copy of the weights was available to restore.")
         report["restored_to"] = restored
@@ -511,18 +621,21 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if self._consecutive >= self.max_consecutive_skips and not self.model.stop_training:
             self.model.stop_training = True
             epoch, batch = self._last_batch
-            finding = _nan_report.skips_finding(self._consecutive, epoch, batch)
-            print(f"NaNOnsetDetector: {finding.message}; training stopped. {finding.fix}")
-            if self.report is not None:
-                self.report["skips"] = finding.to_dict()
-                if self.log_dir is not None:
-                    summaries.write_json(
-                        self.log_dir,
-                        _nan_report.REPORT_FILE,
-                        self.report,
-                        strategy=distributed.strategy_of(self.model),
-                        who="NaNOnsetDetector",
-                    )
+            self._report_skips(self._consecutive, epoch, batch)
+
+    def _report_skips(self, count, epoch, batch):
+        finding = _nan_report.skips_finding(count, epoch, batch)
+        print(f"NaNOnsetDetector: {finding.message}; training stopped. {finding.fix}")
+        if self.report is not None:
+            self.report["skips"] = finding.to_dict()
+            if self.log_dir is not None:
+                summaries.write_json(
+                    self.log_dir,
+                    _nan_report.REPORT_FILE,
+                    self.report,
+                    strategy=distributed.strategy_of(self.model),
+                    who="NaNOnsetDetector",
+                )
 
     def _nonfinite_weights(self):
         if on_jax():
@@ -530,8 +643,6 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         return _tf_probe().WeightCheck.of(self.model)()
 
     def _updates_in_epoch(self):
-        if self._jax:
-            return self.model._update_engine.updates_in_epoch()
         stats = self.model._update_engine.stats.numpy()
         return int(stats[_stats.index("updates_in_epoch")])
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import keras
 
-__all__ = ["LOG_NAMES", "ProbeRequest", "Step", "decode", "request_from"]
+__all__ = ["LOG_NAMES", "ProbeRequest", "Step", "decode", "record_in_step", "request_from"]
 
 LOG_NAMES = ("nonfinite_replicas", "applied_updates", "executed_steps")
 MAX_REPLICAS_FOR_MASK = 16
@@ -31,6 +31,13 @@ class ProbeRequest(NamedTuple):
     Args:
         snapshot: copy the weights and optimizer state before each step.
         count_updates: log `applied_updates`.
+        action: the detector's `action` (JAX's in-step record freezes the
+            state after an onset with `"stop"` and `"restore"`).
+        history: the steps of loss and gradient norm kept for the report.
+        check_every: on JAX, the steps between two reads of the in-step
+            record.
+        max_consecutive_skips: with `action="continue"`, the skipped
+            updates in a row that end training.
 
     Example:
 
@@ -42,6 +49,10 @@ class ProbeRequest(NamedTuple):
 
     snapshot: bool
     count_updates: bool
+    action: str = "stop"
+    history: int = 50
+    check_every: int = 32
+    max_consecutive_skips: int = 10
 
 
 def request_from(callbacks):
@@ -73,6 +84,27 @@ def request_from(callbacks):
         if callable(request):
             return request()
     return None
+
+
+def record_in_step(callbacks, enabled):
+    """Tells each callback that makes a `ProbeRequest` whether the step keeps its record.
+
+    Called by `SafeDistributedModel.fit()` before Keras builds its callback
+    list: on JAX the step keeps the detector's record on the device (see
+    `backend/jax/nan_watch.py`), so the detector reads no step's logs and
+    Keras keeps dispatching batch hooks asynchronously.
+
+    Args:
+        callbacks: as for `request_from`.
+        enabled: whether the train step keeps the record.
+    """
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for callback in keras.tree.flatten(callbacks or []):
+        if callable(getattr(callback, "nan_probe_request", None)) and callable(
+            getattr(callback, "record_in_step", None)
+        ):
+            callback.record_in_step(enabled)
 
 
 class Step(NamedTuple):

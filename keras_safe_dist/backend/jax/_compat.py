@@ -140,3 +140,16 @@ def lay_out_variable(variable, layout):
     """
     variable._layout = layout
     variable.assign(variable.value)
+
+
+def latest_metrics_values(model):
+    """The metrics' variables' values after the last step of Keras's JAX `fit()`, or None.
+
+    Between steps Keras's JAX trainer keeps the state off the model, in
+    `model._jax_state` (written after each step, read by `jax_state_sync()`),
+    and donates it to the next step. None before a `fit()`'s first step.
+    """
+    state = getattr(model, "_jax_state", None)
+    if not state:
+        return None
+    return state.get("metrics_variables")

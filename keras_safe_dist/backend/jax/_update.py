@@ -19,6 +19,7 @@ from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import _stats
 from keras_safe_dist import statistics
+from keras_safe_dist.backend.jax.nan_watch import OnsetWatch
 
 __all__ = ["JAXUpdateEngine"]
 
@@ -37,8 +38,9 @@ class JAXUpdateEngine:
 
     LOG_NAMES = statistics.LOG_NAMES
 
-    def __init__(self, model):
+    def __init__(self, model, nan_request=None):
         self.model = model
+        self.nan_request = nan_request
         self.steps = model.gradient_accumulation_steps
         self.options = dict(model.__dict__["_safe_dist_options"])
         self.loss_scale = _loss_scale_optimizer(model.optimizer)
@@ -58,20 +60,31 @@ class JAXUpdateEngine:
                 )
                 for i, v in enumerate(trainable)
             ]
-        self.totals = keras.Variable(
-            ops.zeros((_TOTALS,), self.dtype), trainable=False, name="safe_dist_totals"
-        )
+        # The pending group's totals: none without accumulation (one fewer
+        # array through each step).
+        self.totals = None
+        if self.steps > 1:
+            self.totals = keras.Variable(
+                ops.zeros((_TOTALS,), self.dtype), trainable=False, name="safe_dist_totals"
+            )
         self.stats = keras.Variable(
             ops.zeros((len(_stats.FIELDS),), "float32"), trainable=False, name="safe_dist_stats"
         )
-        self.variables = [*self.sums, self.totals, self.stats]
+        self.variables = [*self.sums, *([] if self.totals is None else [self.totals]), self.stats]
+        # A NaNOnsetDetector's in-step record (see `nan_watch`), threaded
+        # through the step after the engine's own variables.
+        self.watch = None
+        if nan_request is not None:
+            self.watch = OnsetWatch(model, nan_request, self.loss_scale is not None)
+        self.state_variables = self.variables + (self.watch.variables if self.watch else [])
         self._flush_function = jax.jit(self._flush_values, static_argnums=3)
 
-    def stale(self):
-        """Whether the model's options or optimizer changed since this engine was built."""
+    def stale(self, nan_request=None):
+        """Whether the model's options, optimizer or NaN detector changed since this engine was built."""
         model = self.model
         return (
-            self.options != model.__dict__["_safe_dist_options"]
+            self.nan_request != nan_request
+            or self.options != model.__dict__["_safe_dist_options"]
             or self.loss_scale is not _loss_scale_optimizer(model.optimizer)
             or len(self.sums) not in (0, len(model.trainable_variables))
         )
@@ -97,7 +110,14 @@ class JAXUpdateEngine:
         """Applies a partially filled group; returns whether one was pending."""
         if self.steps == 1 or float(self.totals.value[3]) == 0:
             return False
+        if self.watch is not None and self.watch.read_frozen():
+            # A NaNOnsetDetector's onset holds the state: the pending group
+            # is dropped, as the steps after the onset were.
+            self.totals.assign(ops.zeros_like(self.totals.value))
+            return False
         model = self.model
+        pending = int(self.totals.value[3])
+        skipped_before = float(self.stats.value[_stats.index("skipped_updates")])
         trainable = [v.value for v in model.trainable_variables]
         optimizer_values = [v.value for v in model.optimizer.variables]
         values = [v.value for v in self.variables]
@@ -112,6 +132,9 @@ class JAXUpdateEngine:
             variable.assign(value)
         for variable, value in zip(self.variables, values):
             variable.assign(value)
+        if self.watch is not None:
+            skipped = float(self.stats.value[_stats.index("skipped_updates")]) > skipped_before
+            self.watch.after_flush(skipped, pending)
         return True
 
     def logs(self, values=None):
@@ -160,9 +183,14 @@ class JAXUpdateEngine:
         estimate = micro.denominator * float(self.steps)
         return jnp.where(estimate > 0, estimate, jnp.ones_like(estimate))
 
-    def after_micro_batch(self, grads, micro, trainable, optimizer_values, values):
-        """`(trainable, optimizer_values, engine values)` after one micro-batch."""
-        sums, totals, stats = values[: len(self.sums)], values[-2], values[-1]
+    def after_micro_batch(self, grads, micro, trainable, optimizer_values, values, hold=None):
+        """`(trainable, optimizer_values, engine values)` after one micro-batch.
+
+        `hold` (a traced boolean, or None): the micro-batch changes nothing,
+        neither the weights, the optimizer state, the accumulators nor the
+        statistics (a NaNOnsetDetector's record after an onset).
+        """
+        sums, stats = values[: len(self.sums)], values[-1]
         grads = [g.astype(_accumulator_dtype(g.dtype)) for g in grads]
         scale = self._scale(optimizer_values)
         if scale is not None:
@@ -183,9 +211,10 @@ class JAXUpdateEngine:
                 micro.numerator, micro.denominator
             )
             trainable, optimizer_values, stats = self._update(
-                grads, loss, step_totals[2], trainable, optimizer_values, stats
+                grads, loss, step_totals[2], trainable, optimizer_values, stats, hold
             )
-            return trainable, optimizer_values, [totals, stats]
+            return trainable, optimizer_values, [stats]
+        totals = values[-2]
         estimate = self._estimate(micro)
         first = totals[3] == 0
         sums = [
@@ -193,6 +222,9 @@ class JAXUpdateEngine:
             for s, g in zip(sums, grads)
         ]
         totals = jnp.where(first, step_totals, totals + step_totals)
+        if hold is not None:
+            sums = [jnp.where(hold, old, new) for new, old in zip(sums, values[: len(self.sums)])]
+            totals = jnp.where(hold, values[-2], totals)
         self.normalized = micro.denominator is not None
 
         def update(operands):
@@ -229,9 +261,13 @@ class JAXUpdateEngine:
             grads, loss = list(sums), numerator
         return self._update(grads, loss, samples, trainable, optimizer_values, stats)
 
-    def _update(self, grads, loss, samples, trainable, optimizer_values, stats):
-        """Adds the weight penalty's gradient, clips, then applies or skips; updates the stats."""
+    def _update(self, grads, loss, samples, trainable, optimizer_values, stats, hold=None):
+        """Adds the weight penalty's gradient, clips, then applies or skips; updates the stats.
+
+        With `hold` true the update changes nothing (see `after_micro_batch`).
+        """
         model = self.model
+        old_stats = stats
         grads = self._add_weight_regularization(grads, trainable)
         if self._reads_norm():
             norm = _global_norm(grads)
@@ -255,11 +291,26 @@ class JAXUpdateEngine:
                 model.optimizer.stateless_apply(optimizer_values, cast, trainable)
             )
 
+        # With action="restore", a NaNOnsetDetector's onset update is held as
+        # a skip would be.
+        skips = model.skip_nonfinite or (
+            self.watch is not None and self.watch.request.action == "restore"
+        )
         if self.loss_scale is not None:
             # It skips non-finite updates itself and halves its scale.
-            trainable, optimizer_values = apply((trainable, optimizer_values))
+            updated = apply((trainable, optimizer_values))
+            if hold is not None:
+                updated = jax.tree_util.tree_map(
+                    lambda new, old: jnp.where(hold, old, new),
+                    updated,
+                    (list(trainable), list(optimizer_values)),
+                )
+            trainable, optimizer_values = updated
             applied = finite.astype("float32")
-        elif model.skip_nonfinite:
+        elif skips or hold is not None:
+            keep = finite if skips else jnp.ones((), bool)
+            if hold is not None:
+                keep = keep & ~hold
             # The update is computed whatever `finite` says, then selected
             # element-wise: XLA fuses the select into the update's own loop,
             # where a lax.cond copies the weights and optimizer state in and
@@ -268,15 +319,17 @@ class JAXUpdateEngine:
             # with the cond, 4.46 MB with the select, stock Keras 3.44 MB.
             updated = apply((trainable, optimizer_values))
             trainable, optimizer_values = jax.tree_util.tree_map(
-                lambda new, old: jnp.where(finite, new, old),
+                lambda new, old: jnp.where(keep, new, old),
                 updated,
                 (list(trainable), list(optimizer_values)),
             )
-            applied = finite.astype("float32")
+            applied = keep.astype("float32") if skips else jnp.ones((), "float32")
         else:
             trainable, optimizer_values = apply((trainable, optimizer_values))
             applied = jnp.ones((), "float32")
         stats = _stats.after_update(stats, applied, norm, clipped, samples)
+        if hold is not None:
+            stats = jnp.where(hold, old_stats, stats)
         return list(trainable), list(optimizer_values), stats
 
     def _reads_norm(self):
@@ -284,6 +337,7 @@ class JAXUpdateEngine:
         model = self.model
         return bool(
             model.skip_nonfinite
+            or self.watch is not None  # a NaNOnsetDetector records non-finite updates
             or self.loss_scale is not None
             or model._stats_logged
             or model.global_clipnorm is not None

@@ -17,7 +17,6 @@ keras_safe_dist/model.py; TensorFlow's step is in
 keras_safe_dist/backend/tensorflow/trainer.py.
 """
 
-import collections
 import contextlib
 
 import jax
@@ -37,13 +36,15 @@ class JAXTrainer(_compat.EpochEndOverride):
     """The JAX half of `SafeDistributedModel`: its step, placed before `keras.Model`."""
 
     def _reset_step_state(self):
-        # NaNOnsetDetector's in-step checks are TensorFlow's; on JAX the
-        # detector reads the logged loss and the update statistics.
+        # NaNOnsetDetector's in-step checks on TensorFlow; on JAX its record
+        # is the update engine's `watch` (see `nan_watch`).
         self._nan_probe_request = None
         self._nan_probe = None
-        # With a detector in fit(): the last group's micro-batches, by reference.
-        self.__dict__["_nan_batches"] = None
         self.__dict__["_engine_hidden"] = False
+
+    def _watches_nan_in_step(self):
+        """True: on JAX the step keeps a NaNOnsetDetector's record on the device."""
+        return True
 
     @property
     def replica_jit_compile(self):
@@ -66,7 +67,7 @@ class JAXTrainer(_compat.EpochEndOverride):
         engine = self._update_engine
         if engine is None or self.__dict__.get("_engine_hidden"):
             return variables
-        return variables + engine.variables
+        return variables + engine.state_variables
 
     @contextlib.contextmanager
     def _engine_out_of_metrics(self):
@@ -142,41 +143,42 @@ class JAXTrainer(_compat.EpochEndOverride):
     def make_train_function(self, force=False):
         if self._stats_logged != self._stats_requested:
             force = True  # the update statistics were asked for, or no more
-        if self.__dict__.get("_recording_batches", False) != (self._nan_probe_request is not None):
-            force = True  # a NaNOnsetDetector joined or left fit()
+        engine = self._update_engine
+        if engine is not None and engine.nan_request != self._nan_probe_request:
+            force = True  # a NaNOnsetDetector joined, left or changed
         if self.train_function is not None and not force:
             return self.train_function
         self._stats_logged = self._stats_requested
         if not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
-        engine = self._update_engine
-        if engine is None or engine.stale():
+        if engine is None or engine.stale(self._nan_probe_request):
             if engine is not None:
                 engine.flush()
-            self._update_engine = JAXUpdateEngine(self)
+            self._update_engine = JAXUpdateEngine(self, self._nan_probe_request)
         # Variables created before the distribution was set: on it, once.
         variable_layout.laid_out(self)
         super().make_train_function(force=True)
-        self.__dict__["_nan_batches"] = None
-        if self._nan_probe_request is not None:
-            # A NaNOnsetDetector replays the onset's micro-batches: keep
-            # references to the last group's (no copy, no host transfer).
-            batches = collections.deque(maxlen=self.gradient_accumulation_steps)
-            self.__dict__["_nan_batches"] = batches
+        watch = self._update_engine.watch
+        if watch is not None:
+            # The detector replays the onset's micro-batches: keep references
+            # to the last steps' batches (no copy, no host transfer).
             function = self.train_function
 
             def train_function(state, iterator):
-                return function(state, _Recorded(iterator, batches))
+                return function(state, _Recorded(iterator, watch))
 
             self.train_function = train_function
-        self.__dict__["_recording_batches"] = self._nan_batches is not None
         return self.train_function
 
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_values, metrics_values = state
         engine = self._update_engine
-        split = len(metrics_values) - len(engine.variables)
+        split = len(metrics_values) - len(engine.state_variables)
         metrics_values, engine_values = metrics_values[:split], metrics_values[split:]
+        own = len(engine.variables)
+        engine_values, watch_values = engine_values[:own], engine_values[own:]
+        trainable0, non_trainable0, optimizer0 = trainable, non_trainable, optimizer_values
+        stats0 = engine_values[-1]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self._engine_out_of_metrics():
             grad_fn = jax.value_and_grad(self._objective, has_aux=True)
@@ -190,22 +192,42 @@ class JAXTrainer(_compat.EpochEndOverride):
                 sample_weight,
             )
             micro, logged, y_pred, non_trainable, metrics_values = aux
+            hold = frozen = None
+            if engine.watch is not None:
+                # A NaNOnsetDetector's record: after an onset the step changes nothing.
+                frozen = engine.watch.frozen(watch_values[0])
+                hold = engine.watch.hold(watch_values, logged[0])
+                non_trainable = [
+                    jax.numpy.where(frozen, old, new) for new, old in zip(non_trainable, non_trainable0)
+                ]
             trainable, optimizer_values, engine_values = engine.after_micro_batch(
-                grads, micro, trainable, optimizer_values, engine_values
+                grads, micro, trainable, optimizer_values, engine_values, hold
             )
             logs, metrics_values = self._metrics_logs(
                 metrics_values, trainable, logged, x, y, y_pred, sample_weight
             )
+        if engine.watch is not None:
+            watch_values = engine.watch.snapshot_after(
+                watch_values, trainable0, optimizer0, frozen, logged[0]
+            )
+            watch_values = engine.watch.record(
+                watch_values, stats0, engine_values, logged[0], logs.get("loss", logged[0]), frozen
+            )
         if self._stats_logged:
             logs.update(engine.logs(engine_values))
-        state = (trainable, non_trainable, optimizer_values, metrics_values + engine_values)
+        state = (
+            trainable,
+            non_trainable,
+            optimizer_values,
+            metrics_values + engine_values + watch_values,
+        )
         return logs, state
 
     def test_step(self, state, data):
         """Keras's JAX `test_step`, with the update engine's state passed through."""
         trainable, non_trainable, metrics_values = state
         engine = self._update_engine
-        split = len(metrics_values) - (0 if engine is None else len(engine.variables))
+        split = len(metrics_values) - (0 if engine is None else len(engine.state_variables))
         metrics_values, engine_values = metrics_values[:split], metrics_values[split:]
         with self._engine_out_of_metrics():
             logs, state = super().test_step(
@@ -294,18 +316,18 @@ def _failures_reported():
 
 
 class _Recorded:
-    """An iterator that keeps a reference to each batch it yields in `batches`."""
+    """An iterator that gives `watch` a reference to each batch it yields."""
 
-    def __init__(self, iterator, batches):
+    def __init__(self, iterator, watch):
         self.iterator = iterator
-        self.batches = batches
+        self.watch = watch
 
     def __iter__(self):
         return self
 
     def __next__(self):
         batch = next(self.iterator)
-        self.batches.append(batch)
+        self.watch.record_batch(batch)
         return batch
 
 

@@ -57,6 +57,9 @@ class UpdateEngine:
         self.normalized = True
         # Between `begin_epoch()` and `end_epoch()`.
         self.epoch_open = False
+        # JAX's engine keeps a NaNOnsetDetector's record here; TensorFlow's step
+        # returns the detector's flags in its logs instead.
+        self.watch = None
         with self.strategy.scope():
             # The micro-batch gradients' sums, one per trainable variable;
             # Embedding tables keep their rows unless XLA compiles the step.

@@ -40,6 +40,10 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         # jit_compile=True on several replicas: each replica's pass under XLA.
         self._xla_replicas = False
 
+    def _watches_nan_in_step(self):
+        """False: TensorFlow's step returns the detector's flags in the logs, which Keras reads each step."""
+        return False
+
     def _check_placement(self, where, optimizer=None, metrics=()):
         """Raises `ScopeError` for objects built outside the model's strategy."""
         if where.endswith("from_model()") and not tf.distribute.has_strategy():

@@ -1,0 +1,165 @@
+"""Host synchronisations and device executions between steps on JAX: stock Keras's count is the bar.
+
+On an accelerator a step of about a millisecond leaves the host no room: a
+host read of the step's results makes the device wait for the host, and an
+eager operation per step is one more launch. These tests count both over
+`fit()`s of 50 and 100 steps on the CPU (which JAX also runs
+asynchronously); the difference between the two is the cost of 50 steps,
+with the per-`fit()` and per-epoch work cancelled out.
+
+- Executions: the computations the runtime launched, counted from a
+  `jax.profiler` trace (`CommonPjRtLoadedExecutable::ExecutePrepare`, one per
+  launch of a compiled step, an eager operation or a copy).
+- Drains: the steps whose predecessor had already finished when the host
+  came to dispatch them (`jax.Array.is_ready()` at each batch's start). A
+  host that stays ahead of the device never finds it so; a host read of
+  each step's results (it waits for them) finds it so every time. The
+  model's step is made slow enough (a few milliseconds) that the host is
+  always faster than the device unless it waits; on this noisy 2-core
+  machine stock Keras still drains 0 to 3 times in 100 steps (a thread
+  descheduled), so drains are bounded, not counted exactly.
+"""
+
+import collections
+import glob
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.backend.jax import _compat as _jax_compat
+from keras_safe_dist.callbacks import Dashboard
+from keras_safe_dist.callbacks import NaNOnsetDetector
+
+from conftest import regression_data
+
+BATCH = 128
+FEATURES = 384
+# Drains in 100 steps that are the machine's noise, not a wait per step.
+NOISE = 5
+
+
+class _Drains(keras.callbacks.Callback):
+    """Counts the batches whose previous step had finished when they began.
+
+    Overrides no batch-end hook, so Keras keeps its batch hooks asynchronous.
+    """
+
+    def on_train_begin(self, logs=None):
+        self.drains = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        values = _jax_compat.latest_metrics_values(self.model)
+        if batch > 0 and values and all(v.is_ready() for v in values):
+            self.drains += 1
+
+
+def _executions(trace_dir):
+    path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+    data = jax.profiler.ProfileData.from_file(path)
+    names = collections.Counter(
+        event.name for plane in data.planes for line in plane.lines for event in line.events
+    )
+    return names["CommonPjRtLoadedExecutable::ExecutePrepare"]
+
+
+def _count(model, steps, callbacks, tmp_path):
+    """`(executions, drains)` of a `fit()` of `steps` steps."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * BATCH, FEATURES)).astype("float32")
+    y = x[:, :1]
+    drains = _Drains()
+    fit = lambda: model.fit(  # noqa: E731
+        x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
+        callbacks=[drains, *callbacks()],
+    )
+    fit()  # compiles
+    jax.block_until_ready([v.value for v in model.trainable_variables])
+    trace_dir = tmp_path / f"trace_{steps}"
+    jax.profiler.start_trace(str(trace_dir))
+    try:
+        fit()
+        jax.block_until_ready([v.value for v in model.trainable_variables])
+    finally:
+        jax.profiler.stop_trace()
+    return _executions(trace_dir), drains.drains
+
+
+def _per_50_steps(build, callbacks, tmp_path):
+    """`(executions that 50 more steps add to a fit(), drains in a fit() of 100 steps)`."""
+    model = build()
+    short = _count(model, 50, callbacks, tmp_path)
+    long = _count(model, 100, callbacks, tmp_path)
+    return long[0] - short[0], long[1]
+
+
+def _mlp(cls):
+    def build():
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(FEATURES, activation="relu")(inputs)
+        hidden = keras.layers.Dense(FEATURES, activation="relu")(hidden)
+        model = cls(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    return _per_50_steps(_mlp(keras.Model), lambda: [], tmp_path_factory.mktemp("stock"))
+
+
+def test_stock_launches_one_computation_per_step_and_never_waits_for_the_device(stock):
+    # The bar the other tests hold SafeDistributedModel and the detector to.
+    executions, drains = stock
+    assert executions == 50
+    assert drains <= NOISE
+
+
+def test_the_safe_step_adds_no_execution_or_host_sync_per_step(stock, tmp_path):
+    executions, drains = _per_50_steps(_mlp(SafeDistributedModel), lambda: [], tmp_path)
+    assert executions == stock[0]
+    assert drains <= NOISE
+
+
+def test_the_dashboard_adds_no_execution_or_host_sync_per_step(stock, tmp_path):
+    callbacks = lambda: [Dashboard(str(tmp_path / "logs"))]  # noqa: E731
+    executions, drains = _per_50_steps(_mlp(SafeDistributedModel), callbacks, tmp_path)
+    assert executions == stock[0]
+    assert drains <= NOISE
+
+
+@pytest.mark.parametrize("action", ["stop", "restore", "continue"])
+def test_the_nan_detector_reads_its_record_once_every_check_every_steps(stock, tmp_path, action):
+    # 50 steps hold 2 more checks at check_every=25 (steps 25 and 50 of the
+    # longer fit); each launches one copy of the record and reads the copy
+    # started at the check before, which waits for that step, not the last.
+    callbacks = lambda: [NaNOnsetDetector(action=action, check_every=25)]  # noqa: E731
+    executions, drains = _per_50_steps(_mlp(SafeDistributedModel), callbacks, tmp_path)
+    assert executions == stock[0] + 2
+    assert drains <= NOISE
+
+
+def test_with_a_plain_keras_model_the_detector_waits_for_each_step(stock, tmp_path):
+    # A plain keras.Model's step keeps no record: the detector reads each
+    # step's logs (docs/nan_detector.md states the cost).
+    callbacks = lambda: [NaNOnsetDetector()]  # noqa: E731
+    executions, drains = _per_50_steps(_mlp(keras.Model), callbacks, tmp_path)
+    assert executions == stock[0]
+    assert drains >= 90
+
+
+def test_batches_kept_for_the_replay_are_bounded():
+    inputs = keras.Input((4,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y, _ = regression_data(40 * 8)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+              callbacks=[NaNOnsetDetector(check_every=5)])
+    watch = model._update_engine.watch
+    assert len(watch.batches) == 2 * 5 + 1
+    assert [step for step, _ in watch.batches] == list(range(40 - 11, 40))
+    np.testing.assert_array_equal(np.asarray(watch.batches[-1][1][0]), x[-8:])
