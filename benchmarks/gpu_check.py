@@ -16,6 +16,11 @@ against stock `keras.Model` on the same device:
    StableHLO of every module compiled meanwhile is scanned to count the
    matrix products and convolutions that carry HIGHEST: all of them at
    "highest", none at the default).
+   Beside each cell, its controls, also stock Keras at batch B: a second
+   identical run (`stock_repeat`: is stock reproducible on this device?) and
+   a run with each batch's samples in reverse order (`stock_reordered`: what
+   any re-split or re-ordering of the same samples does under this
+   optimizer, the floor an accumulated run's figure sits on).
 2. Stock's floor: stock Keras's gradient of one batch of B against the
    sample-weighted sum of the gradients of its 4 micro-batches, at the same
    weights (`jax.grad` over `stateless_call` and the compiled loss): the
@@ -26,6 +31,10 @@ against stock `keras.Model` on the same device:
    and the difference of the median epochs per step.
 4. `NaNOnsetDetector()` on a healthy run: safe with it against safe without
    (MLP and convnet).
+
+`--deterministic` sets `--xla_gpu_deterministic_ops=true` in XLA_FLAGS before
+jax starts (GPU: deterministic reductions and scatters; no effect on a CPU).
+`--steps-per-execution N` compiles the timed models with it.
 
 Synthetic data only (NumPy's generator); nothing is downloaded. One device,
 no `keras.distribution`. Prints a table; `--json PATH` writes the figures as
@@ -43,6 +52,7 @@ Usage, from the repository root:
     or after `python3 -m pip install --no-deps keras-3.15.1-py3-none-any.whl`:
         PYTHONPATH=. python3 benchmarks/gpu_check.py --json "$OUT/gpu_check.json"
     Options: --models mlp,convnet,transformer  --rounds N  --quick  --json PATH
+             --deterministic  --steps-per-execution N
 """
 
 import argparse
@@ -60,6 +70,10 @@ import time
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+if "--deterministic" in sys.argv[1:]:
+    # Read when jax starts its backend: before jax is imported.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_FLAG}".strip()
 
 import jax  # noqa: E402
 import keras  # noqa: E402
@@ -117,7 +131,7 @@ def describe(model, size):
     )
 
 
-def build(model, size, model_class, optimizer, **options):
+def build(model, size, model_class, optimizer, steps_per_execution=1, **options):
     """One of `MODELS`, compiled with `optimizer` ("sgd" or "adam")."""
     if model == "mlp":
         inputs = keras.Input((size["features"],))
@@ -145,6 +159,7 @@ def build(model, size, model_class, optimizer, **options):
         optimizer=keras.optimizers.SGD(0.05) if optimizer == "sgd" else keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=True,
+        steps_per_execution=steps_per_execution,
     )
     return result
 
@@ -203,14 +218,29 @@ def relative(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def reordered(x, y):
+    """`x`, `y` with the samples of each batch of `EXACT_BATCH` in reverse order."""
+    order = np.concatenate(
+        [np.arange(i, min(i + EXACT_BATCH, len(x)))[::-1] for i in range(0, len(x), EXACT_BATCH)]
+    )
+    return x[order], y[order]
+
+
 def exactness(model, size, weights, x, y, optimizer, precision, epochs):
-    """Relative weight difference to stock at batch B, for accumulation 1 and `PARTS`."""
+    """Relative weight difference to stock at batch B: accumulation 1 and `PARTS`, and
+    the controls (stock again, stock on each batch's samples re-ordered)."""
     results = {}
     with precision_scope(precision):
-        reference = build(model, size, keras.Model, optimizer)
-        reference.set_weights(weights)
-        reference.fit(x, y, batch_size=EXACT_BATCH, epochs=epochs, verbose=0, shuffle=False)
-        expected = flat(v.value for v in reference.trainable_variables)
+
+        def stock_run(x, y):
+            stock = build(model, size, keras.Model, optimizer)
+            stock.set_weights(weights)
+            stock.fit(x, y, batch_size=EXACT_BATCH, epochs=epochs, verbose=0, shuffle=False)
+            return flat(v.value for v in stock.trainable_variables)
+
+        expected = stock_run(x, y)
+        results["stock_repeat"] = relative(stock_run(x, y), expected)
+        results["stock_reordered"] = relative(stock_run(*reordered(x, y)), expected)
         for steps in (1, PARTS):
             safe = build(
                 model, size, SafeDistributedModel, optimizer, gradient_accumulation_steps=steps
@@ -274,7 +304,7 @@ def timing(configs, x, y, batch, rounds, callbacks=None):
     }
 
 
-def check(model, quick, rounds):
+def check(model, quick, rounds, steps_per_execution=1):
     start = time.perf_counter()
     size = SIZES[model][quick]
     weights = initial_weights(model, size)
@@ -294,8 +324,8 @@ def check(model, quick, rounds):
     batch, full_steps, quick_steps = SPEED[model]
     x, y = data(model, size, batch * (quick_steps if quick else full_steps), seed=1)
     models = {
-        "stock": build(model, size, keras.Model, "sgd"),
-        "safe": build(model, size, SafeDistributedModel, "sgd"),
+        "stock": build(model, size, keras.Model, "sgd", steps_per_execution),
+        "safe": build(model, size, SafeDistributedModel, "sgd", steps_per_execution),
     }
     for each in models.values():
         each.set_weights(weights)
@@ -304,7 +334,9 @@ def check(model, quick, rounds):
     )
     if model in DETECTOR_MODELS:
         detector = NaNOnsetDetector()
-        models["safe, detector"] = build(model, size, SafeDistributedModel, "sgd")
+        models["safe, detector"] = build(
+            model, size, SafeDistributedModel, "sgd", steps_per_execution
+        )
         models["safe, detector"].set_weights(weights)
         result["detector"] = timing(
             {"baseline": models["safe"], "other": models["safe, detector"]},
@@ -343,27 +375,31 @@ def table(report):
     lines = [
         f"device: {device['kind']} ({device['platform']}), {device['count']} device(s); "
         f"jax {report['versions']['jax']}, keras {report['versions']['keras']}"
-        + ("; --quick" if report["quick"] else ""),
+        + ("; --quick" if report["quick"] else "")
+        + ("; deterministic ops" if report["deterministic_ops"] else "")
+        + f"; steps_per_execution={report['steps_per_execution']}",
         "",
         f"exactness: ||w_safe - w_stock|| / ||w_stock|| after {report['exact_epochs']} epochs "
         f"of {report['updates_per_epoch']} updates; stock at batch {EXACT_BATCH}; "
         f"floor: stock's gradient, {EXACT_BATCH} vs {PARTS}x{EXACT_BATCH // PARTS}",
-        f"{'model':<44} {'precision':<9} {'SGD k=1':>9} {'SGD k=4':>9} "
-        f"{'Adam k=1':>9} {'Adam k=4':>9} {'floor':>9} {'HIGHEST ops':>12}",
-        "(k: gradient_accumulation_steps; HIGHEST ops: matrix products and convolutions "
-        "compiled at HIGHEST / all compiled in those runs)",
+        f"{'model':<44} {'precision':<9} "
+        + " ".join(f"{label:>10}" for label in CELL_LABELS)
+        + f" {'floor':>9} {'HIGHEST ops':>12}",
+        "(k: gradient_accumulation_steps; again: stock run twice; order: stock on each "
+        "batch re-ordered; HIGHEST ops: matrix products and convolutions compiled at "
+        "HIGHEST / all compiled in those runs)",
     ]
     for result in report["models"].values():
         for precision in PRECISIONS:
             cells = [
-                result["exactness"].get(optimizer, {}).get(precision, {}).get(f"accumulation_{k}")
+                result["exactness"].get(optimizer, {}).get(precision, {}).get(key)
                 for optimizer in ("sgd", "adam")
-                for k in (1, PARTS)
+                for key in CELL_KEYS
             ]
             traced = result["traced"][precision]
             lines.append(
                 f"{result['name']:<44} {precision:<9} "
-                + " ".join(f"{'-':>9}" if cell is None else f"{cell:>9.2e}" for cell in cells)
+                + " ".join(f"{'-':>10}" if cell is None else f"{cell:>10.2e}" for cell in cells)
                 + f" {result['floor'][precision]:>9.2e}"
                 + f" {str(traced['highest']) + '/' + str(traced['ops']):>12}"
             )
@@ -390,13 +426,32 @@ def table(report):
     return "\n".join(lines)
 
 
+CELL_KEYS = ("accumulation_1", f"accumulation_{PARTS}", "stock_repeat", "stock_reordered")
+CELL_LABELS = tuple(
+    f"{optimizer} {label}"
+    for optimizer in ("SGD", "Adam")
+    for label in ("k=1", f"k={PARTS}", "again", "order")
+)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer steps")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (21; quick: 3)")
     parser.add_argument("--json", metavar="PATH", help="write the figures there as JSON")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help=f"XLA_FLAGS {DETERMINISTIC_FLAG} (read before jax starts)",
+    )
+    parser.add_argument("--steps-per-execution", type=int, default=1, help="of the timed models")
     args = parser.parse_args(argv)
+    if args.steps_per_execution < 1:
+        parser.error(
+            "--steps-per-execution must be an integer >= 1. "
+            f"Received: {args.steps_per_execution}"
+        )
     models = [name.strip() for name in args.models.split(",") if name.strip()]
     unknown = [name for name in models if name not in MODELS]
     if unknown or not models:
@@ -428,7 +483,11 @@ def main(argv=None):
         "micro_batches": PARTS,
         "exact_epochs": EXACT_EPOCHS[args.quick],
         "updates_per_epoch": UPDATES_PER_EPOCH[args.quick],
-        "models": {name: check(name, args.quick, rounds) for name in models},
+        "deterministic_ops": DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", ""),
+        "steps_per_execution": args.steps_per_execution,
+        "models": {
+            name: check(name, args.quick, rounds, args.steps_per_execution) for name in models
+        },
     }
     report["seconds"] = time.perf_counter() - start
     report["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None

@@ -34,6 +34,9 @@ def report(tmp_path_factory):
         "mlp",
         "--json",
         str(path),
+        "--deterministic",
+        "--steps-per-execution",
+        "2",
     ]
     # About 16 s on the idle 2-core VM, 30 s while other tests run beside it.
     done = subprocess.run(
@@ -50,6 +53,29 @@ def test_runs_on_one_cpu_device_and_reports_versions(report):
     assert report["quick"] is True
     assert list(report["models"]) == ["mlp"]
     assert report["models"]["mlp"]["name"] == "MLP 64-256-256-10"
+
+
+def test_each_exactness_cell_has_its_controls(report):
+    # On a CPU stock Keras is reproducible (0 against itself); re-ordering
+    # each batch's samples moves the weights by rounding only.
+    for optimizer, runs in report["models"]["mlp"]["exactness"].items():
+        for precision, cells in runs.items():
+            assert cells["stock_repeat"] == 0.0, (optimizer, precision)
+            assert 0 < cells["stock_reordered"] <= 1e-5, (optimizer, precision, cells)
+
+
+def test_deterministic_ops_and_steps_per_execution_are_recorded(report):
+    assert report["deterministic_ops"] is True
+    assert report["steps_per_execution"] == 2
+
+
+def test_bad_steps_per_execution_is_refused():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--steps-per-execution", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 2
+    assert "--steps-per-execution must be an integer >= 1. Received: 0" in done.stderr
 
 
 def test_safe_model_matches_stock_at_highest_precision(report):

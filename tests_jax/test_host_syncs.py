@@ -44,14 +44,16 @@ NOISE = 5
 class _Drains(keras.callbacks.Callback):
     """Counts the batches whose previous step had finished when they began.
 
-    Overrides no batch-end hook, so Keras keeps its batch hooks asynchronous.
+    Overrides no batch-end hook, so Keras keeps its batch hooks asynchronous,
+    and reads `self._model`: Keras's `self.model` puts the state back on the
+    model first, which the next step would gather again.
     """
 
     def on_train_begin(self, logs=None):
         self.drains = 0
 
     def on_train_batch_begin(self, batch, logs=None):
-        values = _jax_compat.latest_metrics_values(self.model)
+        values = _jax_compat.latest_metrics_values(self._model)
         if batch > 0 and values and all(v.is_ready() for v in values):
             self.drains += 1
 
