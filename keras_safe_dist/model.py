@@ -433,10 +433,17 @@ class SafeDistributedModel(Trainer, keras.Model):
             kwargs["callbacks"] = self._with_epoch_callback(kwargs.get("callbacks"))
         # For NaNOnsetDetector: where a bad sample is in the arrays given (references).
         self.__dict__["_fit_arrays"] = _nan_rows.fit_arrays(args, kwargs)
+        # For MultiWorkerBackupAndRestore: a resumed run that shuffles arrays
+        # draws a new order for the remaining epochs.
+        shuffle = kwargs.get("shuffle", True)
+        if len(args) > _FIT_SHUFFLE_POSITION:
+            shuffle = args[_FIT_SHUFFLE_POSITION]
+        self.__dict__["_fit_shuffles"] = bool(shuffle) and self._fit_arrays is not None
         try:
             return super().fit(*args, **kwargs)
         finally:
             self.__dict__["_fit_arrays"] = None
+            self.__dict__["_fit_shuffles"] = False
 
     def evaluate(self, *args, **kwargs):
         """Same as `keras.Model.evaluate`, refusing data that holds no samples.
@@ -623,6 +630,7 @@ _OPTION_DEFAULTS = {
 _FIT_CALLBACKS_POSITION = (
     list(inspect.signature(keras.Model.fit).parameters).index("callbacks") - 1
 )
+_FIT_SHUFFLE_POSITION = list(inspect.signature(keras.Model.fit).parameters).index("shuffle") - 1
 
 
 _CLIPPING_OPTIONS = ("global_clipnorm", "clipnorm", "clipvalue")

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -366,3 +367,27 @@ def test_a_full_disk_raises_naming_the_folder_and_keeps_the_previous_backup(tmp_
     expected = np.load(after_first)
     for index, weight in enumerate(resumed.get_weights()):
         np.testing.assert_array_equal(weight, expected[f"arr_{index}"])
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_resumed_run_that_shuffles_is_warned_that_it_is_not_exact(tmp_path, shuffle):
+    backup = tmp_path / "backup"
+    model().fit(X, Y, batch_size=8, epochs=1, verbose=0,
+                callbacks=[MultiWorkerBackupAndRestore(str(backup), delete_checkpoint=False)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model().fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=shuffle,
+                              callbacks=[MultiWorkerBackupAndRestore(str(backup))])
+    assert history.epoch == [1]  # resumed
+    messages = [str(w.message) for w in caught if "resumed after epoch" in str(w.message)]
+    if shuffle:
+        assert messages == [
+            "MultiWorkerBackupAndRestore resumed after epoch 1 of a fit() that shuffles its "
+            "arrays (shuffle=True, fit()'s default): the remaining epochs draw a new order of "
+            "the samples, so the run ends near the weights of an uninterrupted run, not at them "
+            "(0.041 relative on a 2-process JAX test; stock BackupAndRestore: 0.022). For an "
+            "exact resume pass shuffle=False, with the data shuffled once beforehand or by a "
+            "pipeline that seeds each epoch's order from the epoch."
+        ]
+    else:
+        assert messages == []

@@ -172,3 +172,31 @@ def test_a_variable_laid_out_later_is_placed_on_the_layout_by_each_assignment():
     variable.assign(np.zeros(4, "float32"))
     assert variable.value.sharding.is_equivalent_to(layout.backend_layout, 1)
     np.testing.assert_array_equal(np.array(variable.value), np.zeros(4))
+
+
+def test_keras_warns_that_the_input_ran_out_through_the_overridden_method(recwarn):
+    # InterruptedWarningWhen overrides it; Keras calls it when the data
+    # raises StopIteration inside a step.
+    import warnings
+
+    import numpy as np
+
+    class Quiet(_jax_compat.InterruptedWarningWhen, _jax_compat.epoch_iterator_class()):
+        def input_interrupted(self):
+            return False
+
+    def batches():
+        for _ in range(2):
+            yield np.ones((4, 2), "float32"), np.ones((4, 1), "float32")
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    warnings.simplefilter("always")
+    model.fit(batches(), epochs=1, verbose=0)
+    assert any("ran out of data" in str(w.message) for w in recwarn)
+    recwarn.clear()
+    with _jax_compat.epoch_iterator_replaced(Quiet):
+        model.fit(batches(), epochs=1, verbose=0)
+    assert not any("ran out of data" in str(w.message) for w in recwarn)
+    assert hasattr(_jax_compat.epoch_iterator_class(), "_interrupted_warning")

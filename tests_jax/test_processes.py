@@ -118,8 +118,12 @@ def test_any_shard_sizes_match_one_device_on_the_global_batches(tmp_path, sizes,
 @pytest.mark.processes
 def test_a_dataset_of_unknown_batch_sizes_agrees_at_each_step(tmp_path):
     reference = _reference(tmp_path, "32,33")
-    _run(tmp_path, "32,33", "--pydataset")
+    logs = _run(tmp_path, "32,33", "--pydataset")
     _assert_exact(tmp_path, "32,33", reference)
+    # The shards end where the processes agreed: nothing was interrupted
+    # (before, a process printed Keras's "Your input ran out of data").
+    for log in logs:
+        assert "ran out of data" not in log, log[-3000:]
 
 
 @pytest.mark.processes
@@ -160,6 +164,17 @@ def test_a_process_that_raises_ends_every_process_naming_it(tmp_path):
 def test_a_killed_process_ends_every_other_within_the_bound_naming_it(tmp_path):
     codes, after = _failure(tmp_path, "--die")
     assert codes[1] == -signal.SIGKILL
+    assert codes[0] != 0
+    assert after[0] < TIMEOUT + 5
+    assert "process 1: stopped answering (killed or exited)" in _log(tmp_path, 0)
+
+
+@pytest.mark.processes
+def test_sigterm_to_one_process_ends_the_run_naming_it(tmp_path):
+    # Before: jax's preemption service took the signal and the run trained
+    # to its end, rc 0.
+    codes, after = _failure(tmp_path, "--term")
+    assert codes[1] == -signal.SIGTERM
     assert codes[0] != 0
     assert after[0] < TIMEOUT + 5
     assert "process 1: stopped answering (killed or exited)" in _log(tmp_path, 0)
@@ -265,3 +280,78 @@ def test_nan_onset_names_the_process_and_the_row_of_its_local_batch(tmp_path):
     batch = np.load(tmp_path / "nan" / "nan_onset_batch.npz")["x"]  # the global batch, written by process 0
     assert batch.shape == (16, 6)
     assert np.isnan(batch[13, 0]) and np.isfinite(np.delete(batch, 13, axis=0)).all()
+
+
+def _mlp():
+    import keras
+
+    from keras_safe_dist import SafeDistributedModel
+
+    inputs = keras.Input((4,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_a_process_started_as_one_of_several_but_alone_is_refused(monkeypatch):
+    # What `keras-safe-dist launch --backend jax` sets, without initialize():
+    # before, each worker trained as "process 0 of 1" on the same rows, rc 0.
+    monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "2")
+    monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "1")
+    model = _mlp()
+    x = np.ones((8, 4), "float32")
+    with pytest.raises(RuntimeError) as error:
+        model.fit(x, x[:, :1], verbose=0)
+    assert str(error.value) == (
+        "fit() runs in one process, but this process was started as one of 2 "
+        "(KERAS_DISTRIBUTION_NUM_PROCESSES=2, KERAS_DISTRIBUTION_PROCESS_ID='1'): jax was "
+        "never told of the others, so each process would train alone on the same data. Call "
+        "keras_safe_dist.initialize() first thing in the script, before building the model."
+    )
+    assert int(model.optimizer.iterations.value) == 0
+    with pytest.raises(RuntimeError, match=r"^evaluate\(\) runs in one process"):
+        model.evaluate(x, x[:, :1], verbose=0)
+
+
+@pytest.mark.parametrize("devices", [None, "local"], ids=["no_distribution", "local_devices"])
+def test_several_processes_without_a_distribution_over_them_are_refused(monkeypatch, devices):
+    import jax
+    import keras
+
+    # Before: each process fitted its own model on its own rows, rc 0, and
+    # the processes' weights ended 0.10 to 0.22 apart.
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    if devices == "local":
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    model = _mlp()
+    x = np.ones((8, 4), "float32")
+    with pytest.raises(ValueError) as error:
+        model.fit(x, x[:, :1], verbose=0)
+    received = "no distribution" if devices is None else "DataParallel over the devices of 1 of them"
+    assert str(error.value) == (
+        f"fit() with 2 processes needs a keras.distribution over the devices of every process; "
+        f"received: {received}. Without one each process would fit its own model on its own "
+        "rows. Call keras.distribution.set_distribution(keras.distribution.DataParallel()) "
+        "after keras_safe_dist.initialize() and before building the model."
+    )
+
+
+@pytest.mark.processes
+def test_a_launched_script_that_never_joins_fails_on_every_worker(tmp_path):
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "import keras, numpy as np\n"
+        "from keras_safe_dist import SafeDistributedModel\n"
+        "inputs = keras.Input((4,))\n"
+        "model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))\n"
+        "model.compile(optimizer='sgd', loss='mse')\n"
+        "model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_safe_dist.cli", "launch", "--backend", "jax",
+         "--workers", "2", "--timeout", "120", str(script)],
+        env=_env(), capture_output=True, text=True, timeout=HARD,
+    )
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert output.count("but this process was started as one of 2") == 2, output[-3000:]

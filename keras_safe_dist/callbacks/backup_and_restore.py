@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 
 import keras
 import numpy as np
@@ -224,6 +225,8 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
             )
         self._load_whole(directory, metadata["weights"])
         _compat.set_initial_epoch(self.model, metadata["epoch"])
+        if metadata["epoch"] > 0 and self.model.__dict__.get("_fit_shuffles"):
+            warnings.warn(_resumed_shuffling(metadata["epoch"]), stacklevel=2)
 
     def _load_whole(self, directory, name):
         """Loads the weights file; on failure puts every variable back as it was."""
@@ -406,3 +409,13 @@ def _remove_if_empty(directory):
     if _files.isdir(directory) and not _files.listdir(directory):
         _files.remove(directory)
 
+
+def _resumed_shuffling(epoch):
+    return (
+        f"MultiWorkerBackupAndRestore resumed after epoch {epoch} of a fit() that shuffles "
+        "its arrays (shuffle=True, fit()'s default): the remaining epochs draw a new order "
+        "of the samples, so the run ends near the weights of an uninterrupted run, not at "
+        "them (0.041 relative on a 2-process JAX test; stock BackupAndRestore: 0.022). "
+        "For an exact resume pass shuffle=False, with the data shuffled once beforehand or "
+        "by a pipeline that seeds each epoch's order from the epoch."
+    )

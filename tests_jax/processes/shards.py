@@ -25,6 +25,7 @@ parser.add_argument("--reference", action="store_true")
 parser.add_argument("--accumulation", type=int, default=1, help="with 1, the model has BatchNormalization")
 parser.add_argument("--fail", default="", help="PROCESS:STEP[:EPOCH]: that process raises at that step")
 parser.add_argument("--die", default="", help="PROCESS:STEP[:EPOCH]: that process kills itself (SIGKILL) there")
+parser.add_argument("--term", default="", help="PROCESS:STEP[:EPOCH]: that process gets SIGTERM there")
 parser.add_argument("--pydataset", action="store_true", help="fit on a keras.utils.PyDataset (sizes agreed at each step)")
 parser.add_argument("--nan", default="", help="PROCESS:ROW: a NaN in that row of that process's x; NaNOnsetDetector in OUT/nan")
 parser.add_argument("--backup", default="", help="train with MultiWorkerBackupAndRestore in this folder")
@@ -142,7 +143,7 @@ class FailAt(keras.callbacks.Callback):
             return
         print(f"process {jax.process_index()} fails at step {batch}: {time.time()}", flush=True)
         if self.kill:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.kill)
         raise RuntimeError(f"process {jax.process_index()} fails at step {batch}")
 
 
@@ -159,7 +160,7 @@ def train(shards):
         model = build(keras.Model)
         model.compile(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=CLIP), loss="mse", weighted_metrics=["mae"])
     callbacks = []
-    for option, kill in ((args.fail, False), (args.die, True)):
+    for option, kill in ((args.fail, None), (args.die, signal.SIGKILL), (args.term, signal.SIGTERM)):
         if option:
             who, step, epoch = ([int(n) for n in option.split(":")] + [0])[:3]
             if who == process:

@@ -33,6 +33,22 @@ def epoch_iterator_class():
     return _keras_jax_trainer.JAXEpochIterator
 
 
+class InterruptedWarningWhen:
+    """A mixin for Keras's JAX epoch iterator: Keras warns that the input ran out only
+    where `input_interrupted()` says so.
+
+    Keras calls `_interrupted_warning()` whenever the data raises
+    StopIteration inside a `fit()`, `evaluate()` or `predict()` step.
+    """
+
+    def input_interrupted(self):
+        return True
+
+    def _interrupted_warning(self):
+        if self.input_interrupted():
+            super()._interrupted_warning()
+
+
 @contextlib.contextmanager
 def epoch_iterator_replaced(cls):
     """While open, Keras's JAX `fit()`, `evaluate()` and `predict()` iterate with `cls`.

@@ -97,14 +97,26 @@ def agreed_iterators():
 _KerasEpochIterator = _jax_compat.epoch_iterator_class()
 
 
-class SharedEpochIterator(_KerasEpochIterator):
+class SharedEpochIterator(_jax_compat.InterruptedWarningWhen, _KerasEpochIterator):
     """Keras's JAX epoch iterator, over the global batches every process agreed on."""
 
     def __init__(self, *args, **kwargs):
         self._template_args = (args, kwargs)
+        self._agreed_end = False
         super().__init__(*args, **kwargs)
         self._schedule = _known_schedule(self.data_adapter)
         self._global_batches()
+
+    def input_interrupted(self):
+        """Whether Keras's "Your input ran out of data" warning is true.
+
+        Not where every process's data ended at the step they agreed on and
+        each knows its own length (a PyDataset): the epoch ended, as it does
+        in one process without the warning. A generator of unknown length
+        warns, as in one process.
+        """
+        agreed, self._agreed_end = self._agreed_end, False
+        return not (agreed and self.data_adapter.num_batches is not None)
 
     def _global_batches(self):
         # Every process runs the same number of steps: the most any has.
@@ -132,6 +144,7 @@ class SharedEpochIterator(_KerasEpochIterator):
                 batch = next(local, None)
                 sizes = _exchange([_samples(batch)])[:, 0].tolist()
                 if not any(sizes):
+                    self._agreed_end = True
                     return
             if batch is not None and template is None:
                 template = keras.tree.map_structure(_empty_like, batch)

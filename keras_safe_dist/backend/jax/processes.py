@@ -15,6 +15,7 @@ import sys
 import time
 
 import jax
+import keras
 
 from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax import _watchdog
@@ -50,6 +51,11 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, ti
         # jax has no collectives between CPU devices of different processes
         # by default; accelerators keep their own (NCCL, ICI).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # jax's preemption service takes SIGTERM and lets training run on, for
+    # code that checks `multihost_utils.reached_preemption_sync_point`, which
+    # Keras's fit() does not: a SIGTERM would be lost. Off, SIGTERM ends the
+    # process, and the watchdog ends the others naming it.
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,
@@ -111,3 +117,56 @@ def _integer(name, value, variable):
     if number is None or number < 0 or isinstance(value, bool):
         raise ValueError(f"`{name}` must be an integer >= 0. Received: {source}")
     return number
+
+
+def check_joined(where):
+    """Refuses `where` (`"fit"`, ...) where the processes would each train alone.
+
+    - This process was started as one of several (Keras's
+      `KERAS_DISTRIBUTION_NUM_PROCESSES` above 1, as `keras-safe-dist launch`
+      sets it), but jax runs it alone: `initialize()` was not called, and
+      every process would train on the same rows, unaware of the others.
+    - Several processes joined, but no `keras.distribution` spans their
+      devices: each process would fit its own model on its own rows.
+
+    Raises:
+        RuntimeError: in the first case; ValueError: in the second.
+    """
+    count = jax.process_count()
+    wanted = os.environ.get(COUNT, "").strip()
+    if count == 1:
+        if wanted.isdigit() and int(wanted) > 1:
+            raise RuntimeError(
+                f"{where}() runs in one process, but this process was started as one of "
+                f"{wanted} ({COUNT}={wanted}, {INDEX}={os.environ.get(INDEX)!r}): jax "
+                "was never told of the others, so each process would train alone on the "
+                "same data. Call keras_safe_dist.initialize() first thing in the script, "
+                "before building the model."
+            )
+        return
+    distribution = keras.distribution.distribution()
+    processes = set()
+    if distribution is not None:
+        processes = {d.process_index for d in _mesh_devices(distribution)}
+    if len(processes) < count:
+        received = (
+            "no distribution" if distribution is None
+            else f"{type(distribution).__name__} over the devices of "
+            f"{len(processes)} of them"
+        )
+        raise ValueError(
+            f"{where}() with {count} processes needs a keras.distribution over the "
+            f"devices of every process; received: {received}. Without one each process "
+            f"would {'fit its own model' if where == 'fit' else 'run alone'} on its own "
+            "rows. Call keras.distribution.set_distribution("
+            "keras.distribution.DataParallel()) after keras_safe_dist.initialize() and "
+            "before building the model."
+        )
+
+
+def _mesh_devices(distribution):
+    mesh = getattr(distribution, "device_mesh", None)
+    devices = getattr(mesh, "devices", None)
+    if devices is None:
+        return []
+    return [d for d in getattr(devices, "flat", devices)]

@@ -28,6 +28,7 @@ from keras_safe_dist import statistics
 from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax import _shares
 from keras_safe_dist.backend.jax import _watchdog
+from keras_safe_dist.backend.jax import processes
 from keras_safe_dist.backend.jax import variable_layout
 from keras_safe_dist.backend.jax._update import JAXUpdateEngine
 
@@ -84,10 +85,12 @@ class JAXTrainer(_compat.EpochEndOverride):
     # step's global batch first (see `_shares`).
 
     def fit(self, *args, **kwargs):
+        processes.check_joined("fit")
         with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
+        processes.check_joined("evaluate")
         with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().evaluate(*args, **kwargs)
 
@@ -99,6 +102,7 @@ class JAXTrainer(_compat.EpochEndOverride):
                 f"steps_per_execution={self.steps_per_execution}. Compile with "
                 "steps_per_execution=1 for predict()."
             )
+        processes.check_joined("predict")
         with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().predict(*args, **kwargs)
 
