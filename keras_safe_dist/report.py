@@ -62,7 +62,11 @@ class RunStatistics:
     Args:
         run: the run's folder, relative to the log directory (`.` for the
             root).
-        values: `{statistic: [value per logged epoch]}`.
+        values: `{statistic: [value per logged epoch]}`, or per logged
+            update when the run logged no epoch (it stopped in its first).
+        per: `"epoch"`, or `"update"` for the Dashboard's per-update points.
+        notes: what the reader noticed about the run's files (two writers
+            at once).
 
     Example:
 
@@ -74,9 +78,11 @@ class RunStatistics:
 
     run: str
     values: dict
+    per: str = "epoch"
+    notes: list = dataclasses.field(default_factory=list)
 
     def summary(self):
-        """`{statistic: {"last", "max", "mean"}}` over the logged epochs.
+        """`{statistic: {"last", "max", "mean"}}` over the logged epochs (or updates).
 
         Returns:
             A dict: for each statistic, a dict of its last, largest and mean
@@ -179,7 +185,10 @@ class LogDirReport:
             "log_dir": self.log_dir,
             "audits": [report.to_dict() for report in self.audits],
             "nan_onsets": [{"run": run, **onset} for run, onset in self.nan_onsets],
-            "runs": [{"run": r.run, "statistics": r.summary()} for r in self.runs],
+            "runs": [
+                {"run": r.run, "per": r.per, "statistics": r.summary(), "notes": list(r.notes)}
+                for r in self.runs
+            ],
             "errors": [dataclasses.asdict(e) for e in self.errors],
             "warnings": [dataclasses.asdict(w) for w in self.warnings],
             "counts": counts,
@@ -248,9 +257,9 @@ def read_log_dir(log_dir):
                 events.append(path)
             else:
                 report.warnings.append(UnreadableFile(path, _NOT_REGULAR))
-        values = _run_statistics(events, report.warnings)
+        values, per, notes = _run_statistics(events, report.warnings)
         if values:
-            report.runs.append(RunStatistics(run, values))
+            report.runs.append(RunStatistics(run, values, per, notes))
     report.runs = _each_statistic_once(report.runs)
     return report
 
@@ -270,7 +279,9 @@ def _each_statistic_once(runs):
     for run in runs:
         beside = dashboards.get(os.path.dirname(run.run))
         if beside is not None and os.path.basename(run.run) != DASHBOARD_RUN:
-            run = RunStatistics(run.run, {k: v for k, v in run.values.items() if k not in beside})
+            run = dataclasses.replace(
+                run, values={k: v for k, v in run.values.items() if k not in beside}
+            )
         if run.values:
             kept.append(run)
     return kept
@@ -340,28 +351,51 @@ def _checked_onset(data):
 
 
 def _run_statistics(paths, warnings):
-    """`{statistic: [value per logged epoch]}` from one run's event files.
+    """`(values, per, notes)` of one run's event files.
 
-    Values of `safe_distributed/<name>` (the Dashboard's) are preferred to
+    `values` is `{statistic: [value per logged epoch]}`; values of
+    `safe_distributed/<name>` (the Dashboard's) are preferred to
     `epoch_<name>` (keras.callbacks.TensorBoard's) for the same statistic.
+    A run that logged no epoch (it stopped in its first) gives the
+    Dashboard's per-update points instead, with `per` `"update"`. `notes`
+    says when two files of the run were written at the same time (two runs
+    with one log directory and run name), whose points are then merged.
     """
     series = {}  # tag: [value, ...]
-    tags = {f"{PREFIX}/{n}" for n in LOG_NAMES} | {f"epoch_{n}" for n in LOG_NAMES}
+    epoch_tags = {f"{PREFIX}/{n}" for n in LOG_NAMES} | {f"epoch_{n}" for n in LOG_NAMES}
+    update_tags = {f"{PREFIX}/update/{n}" for n in LOG_NAMES}
+    spans = []  # (first, last wall time, path) of each file with statistics
     for path in paths:
+        times = []
         try:
             for event in _events(path):
                 for value in event.summary.value:
-                    if value.tag in tags:
+                    if value.tag in epoch_tags or value.tag in update_tags:
                         series.setdefault(value.tag, []).append(_scalar(value))
+                        times.append(event.wall_time)
         except (OSError, ValueError, DecodeError) as error:
             warnings.append(UnreadableFile(path, f"event file damaged, read up to it: {error}"))
-    values = {}
+        if times:
+            spans.append((min(times), max(times), path))
+    values, per = {}, "epoch"
     for name in LOG_NAMES:
         for tag in (f"{PREFIX}/{name}", f"epoch_{name}"):
             if tag in series:
                 values[name] = series[tag]
                 break
-    return values
+    if not values:
+        per = "update"
+        values = {n: series[f"{PREFIX}/update/{n}"] for n in LOG_NAMES if f"{PREFIX}/update/{n}" in series}
+    notes = []
+    spans.sort()
+    for (start, end, path), (other_start, _, other) in zip(spans, spans[1:]):
+        if other_start < end:
+            notes.append(
+                f"two writers overlapped: {os.path.basename(path)} and "
+                f"{os.path.basename(other)} were written at the same time (two runs with "
+                "one log directory and run name?); their points are merged"
+            )
+    return values, per, notes
 
 
 def _events(path):
@@ -513,6 +547,13 @@ def format_text(report, fail_on="error"):
             for name, s in run.summary().items():
                 numbers = (_number(s[key]) for key in ("last", "max", "mean"))
                 lines.append(markdown_row((run.run, name, *numbers)))
+        for run in report.runs:
+            if run.per == "update":
+                lines.append(
+                    f"[{run.run}] per update: the run logged no epoch (it stopped in its "
+                    f"first); {max(len(v) for v in run.values.values())} update points."
+                )
+            lines += [f"[{run.run}] {note}." for note in run.notes]
     elif report.audits or report.nan_onsets:
         lines.append(
             "none logged: the update statistics come from a SafeDistributedModel "

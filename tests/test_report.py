@@ -481,3 +481,73 @@ def test_a_record_with_valid_checksums_but_no_event_is_a_damaged_file(tmp_path):
         RecordWriter(f).write(b"\xff\xff not an event")
     report = read_log_dir(str(tmp_path))
     assert [w.path for w in report.warnings] == [str(path)]
+
+
+class _StopAtBatch(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.batch:
+            raise KeyboardInterrupt("stopped by hand")
+
+
+def _stopped_in_its_first_epoch(log_dir):
+    with strategy_for(1).scope():
+        inputs = keras.Input((3,))
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.repeat(X, 4, axis=0)  # 80 samples: 20 batches of 4
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0,
+                  callbacks=[callbacks.Dashboard(str(log_dir)), _StopAtBatch(12)])
+
+
+def test_report_shows_the_update_points_of_a_run_stopped_in_its_first_epoch(tmp_path, capsys):
+    _stopped_in_its_first_epoch(tmp_path)
+    # Before: "nothing to report ... no logged update statistics", exit 2.
+    code, out, _ = run_cli(capsys, str(tmp_path))
+    assert code == 0
+    assert "| safe_distributed | samples_per_update | 4 | 4 | 4 |" in out
+    assert "[safe_distributed] per update: the run logged no epoch (it stopped in its first); 12 update points." in out
+    (run,) = read_log_dir(str(tmp_path)).runs
+    assert run.per == "update" and len(run.values["grad_norm"]) == 12
+
+
+def test_report_reads_the_points_before_a_damaged_last_record(tmp_path, capsys):
+    _stopped_in_its_first_epoch(tmp_path)
+    (path,) = (tmp_path / "safe_distributed").glob("*.tfevents.*")
+    data = path.read_bytes()
+    path.write_bytes(data[:-7])  # the last record cut
+    code, out, err = run_cli(capsys, str(tmp_path))
+    # Before: "no update statistics could be read from the damaged event files", exit 2.
+    assert code == 0
+    assert "| safe_distributed | samples_per_update | 4 | 4 | 4 |" in out
+    assert f"skipped {path}: event file damaged, read up to it: " in err
+    assert "record truncated at byte" in err
+
+
+def test_report_says_when_two_writers_overlapped_in_one_run(tmp_path, capsys):
+    run = tmp_path / "safe_distributed"
+    writers = [tf.summary.create_file_writer(str(run), filename_suffix=f".{i}") for i in (0, 1)]
+    for step in range(3):  # two runs with one log_dir and run name, at once
+        for writer in writers:
+            with writer.as_default():
+                tf.summary.scalar("safe_distributed/grad_norm", 1.0 + step, step=step)
+            writer.flush()
+    for writer in writers:
+        writer.close()
+    code, out, _ = run_cli(capsys, str(tmp_path))
+    assert code == 0
+    (report_run,) = read_log_dir(str(tmp_path)).runs
+    assert len(report_run.notes) == 1
+    assert report_run.notes[0].startswith("two writers overlapped: events.out.tfevents.")
+    assert "were written at the same time (two runs with one log directory and run name?); their points are merged" in out
+
+
+def test_report_notes_nothing_for_runs_written_one_after_the_other(tmp_path):
+    train(str(tmp_path), 1, epochs=1)
+    train(str(tmp_path), 1, epochs=1)
+    (run,) = [r for r in read_log_dir(str(tmp_path)).runs if r.run == "safe_distributed"]
+    assert run.notes == [] and run.per == "epoch"
