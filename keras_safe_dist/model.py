@@ -313,6 +313,7 @@ class SafeDistributedModel(Trainer, keras.Model):
         inputs, outputs = _model_graph(model, input_shape)
         wrapped = cls(inputs=inputs, outputs=outputs, name=model.name, **options)
         wrapped._check_placement("SafeDistributedModel.from_model()")
+        _warn_if_saved_twice(model, wrapped)
         return wrapped
 
     def compile(self, *args, **kwargs):
@@ -660,6 +661,38 @@ _KERAS_ARGUMENTS = frozenset(inspect.signature(keras.layers.Layer.__init__).para
     "inputs",
     "outputs",
 }
+
+
+def _warn_if_saved_twice(model, wrapped):
+    """Warns when a layer of `wrapped` is also inside another of its layers (tied weights).
+
+    Keras saves such a layer's variables once, at the first place it meets
+    it, and loading then finds none at the other (keras-hub's causal LMs
+    call their backbone's token embedding again for the logits): the result
+    trains, but a file it saves cannot be loaded, as with
+    `keras.Model(model.inputs, model.outputs)` in stock Keras.
+    """
+    top = list(wrapped.layers)
+    nested = {}
+    for layer in top:
+        for inner in _compat.flatten_layers(layer):
+            nested.setdefault(id(inner), layer)
+    for layer in top:
+        outer = nested.get(id(layer))
+        if outer is None or outer is layer or not layer.weights:
+            continue  # input layers are shared with a nested model, and have no variables
+        klass = type(model).__name__
+        warnings.warn(
+            f"SafeDistributedModel.from_model({klass}): layer {layer.name!r} is called by "
+            f"the model and also inside its layer {outer.name!r} (tied weights). The result "
+            "trains and predicts as the model does, but a .keras file it saves cannot be "
+            f"loaded: Keras saves {layer.name!r}'s variables once and finds none for it at "
+            f"the other place (stock keras.Model(inputs, outputs) does the same). To save "
+            f"and load, mix SafeDistributedModel into the class instead: `class "
+            f"Safe{klass}(SafeDistributedModel, {klass})`.",
+            stacklevel=3,
+        )
+        return
 
 
 def _closest(names):

@@ -126,3 +126,37 @@ def test_a_failing_mixed_in_init_leaves_safe_distributed_model_as_it_was():
     with pytest.raises(RuntimeError, match="compile failed"):
         Failing(backbone=backbone(), num_classes=2, preprocessor=None)
     assert SafeDistributedModel.__bases__ == bases
+
+
+def test_from_model_of_a_causal_lm_with_tied_embeddings_warns_and_names_the_mixin_route(tmp_path):
+    # Its token embedding is called by the task for the logits and inside the
+    # backbone: a .keras file of keras.Model(task.inputs, task.outputs), or of
+    # from_model's result, cannot be loaded ("expected 1 variables, but
+    # received 0"); the mixin class saves and loads.
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16,
+        max_sequence_length=16,
+    )
+    task = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    with pytest.warns(UserWarning) as caught:
+        wrapped = SafeDistributedModel.from_model(task)
+    (message,) = [str(w.message) for w in caught if "tied weights" in str(w.message)]
+    assert message.startswith(
+        "SafeDistributedModel.from_model(GPT2CausalLM): layer 'token_embedding' is called by "
+        "the model and also inside its layer 'gpt2_backbone' (tied weights)."
+    )
+    assert "`class SafeGPT2CausalLM(SafeDistributedModel, GPT2CausalLM)`" in message
+    wrapped.save(tmp_path / "wrapped.keras")
+    with pytest.raises(ValueError, match="expected 1 variables, but received 0"):
+        keras.models.load_model(tmp_path / "wrapped.keras")
+
+    class SafeGPT2CausalLM(SafeDistributedModel, keras_hub.models.GPT2CausalLM):
+        pass
+
+    mixed = SafeGPT2CausalLM(backbone=backbone, preprocessor=None)
+    mixed.save(tmp_path / "mixed.keras")
+    loaded = keras.models.load_model(
+        tmp_path / "mixed.keras", custom_objects={"SafeGPT2CausalLM": SafeGPT2CausalLM}
+    )
+    for ours, theirs in zip(loaded.get_weights(), mixed.get_weights()):
+        np.testing.assert_array_equal(ours, theirs)

@@ -592,3 +592,23 @@ def test_a_second_mirrored_strategy_over_the_same_devices_is_named_as_the_cause(
             "of another shape had taken: two MirroredStrategy objects over the same devices"
         )
         assert "Create one MirroredStrategy per process and build every model in its scope" in printed
+
+
+def test_from_model_warns_when_a_layer_is_also_inside_another_of_its_layers(tmp_path):
+    shared = keras.layers.Dense(3, name="shared")
+    inner_inputs = keras.Input((3,))
+    inner = keras.Model(inner_inputs, shared(inner_inputs), name="inner")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, shared(inner(inputs)))
+    with pytest.warns(UserWarning, match=r"layer 'shared' is called by the model and also inside its layer 'inner'"):
+        wrapped = SafeDistributedModel.from_model(model)
+    np.testing.assert_allclose(wrapped.predict(np.ones((2, 3)), verbose=0),
+                               model.predict(np.ones((2, 3)), verbose=0))
+
+
+def test_from_model_of_a_model_without_shared_layers_does_not_warn():
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(4)(inputs)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SafeDistributedModel.from_model(model)
