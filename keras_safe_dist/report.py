@@ -388,13 +388,16 @@ def _run_statistics(paths, warnings):
         values = {n: series[f"{PREFIX}/update/{n}"] for n in LOG_NAMES if f"{PREFIX}/update/{n}" in series}
     notes = []
     spans.sort()
-    for (start, end, path), (other_start, _, other) in zip(spans, spans[1:]):
-        if other_start < end:
+    latest = None  # (end, path) of the file written last among those before
+    for start, end, path in spans:
+        if latest is not None and start < latest[0]:
             notes.append(
-                f"two writers overlapped: {os.path.basename(path)} and "
-                f"{os.path.basename(other)} were written at the same time (two runs with "
+                f"two writers overlapped: {os.path.basename(latest[1])} and "
+                f"{os.path.basename(path)} were written at the same time (two runs with "
                 "one log directory and run name?); their points are merged"
             )
+        if latest is None or end > latest[0]:
+            latest = (end, path)
     return values, per, notes
 
 
