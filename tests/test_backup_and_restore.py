@@ -391,3 +391,19 @@ def test_a_resumed_run_that_shuffles_is_warned_that_it_is_not_exact(tmp_path, sh
         ]
     else:
         assert messages == []
+
+
+def test_a_first_backup_without_room_says_none_was_written(small_disk):
+    backup = small_disk / "backup"
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    big = SafeDistributedModel(inputs, keras.layers.Dense(4096)(inputs))  # 1 MiB of weights
+    big.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(OSError) as error:
+        big.fit(np.ones((8, 64), "float32"), np.zeros((8, 4096), "float32"), batch_size=8,
+                epochs=1, verbose=0, callbacks=[MultiWorkerBackupAndRestore(str(backup))])
+    message = str(error.value)
+    # Before: "... The previous backup is kept." where there was none.
+    assert "epoch_1.weights.h5 needs about " in message
+    assert "No backup was written yet." in message
+    assert "previous backup" not in message

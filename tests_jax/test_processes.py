@@ -254,6 +254,10 @@ def test_a_killed_run_resumes_from_its_backup_to_the_uninterrupted_weights(tmp_p
         ({"timeout": 5}, {}, "`timeout` must be an integer >= 10 (seconds). Received: timeout=5"),
         ({"num_processes": 2, "process_id": 2}, {}, "`process_id` must be in [0, num_processes - 1] = [0, 1]. Received: process_id=2"),
         ({}, {"KERAS_DISTRIBUTION_PROCESS_ID": "one"}, "`process_id` must be an integer >= 0. Received: KERAS_DISTRIBUTION_PROCESS_ID='one'"),
+        # Before: a C++ check failure after about 20 s.
+        ({"coordinator_address": "127.0.0.1:0", "num_processes": 2, "process_id": 0}, {},
+         "The coordinator address must be 'host:port' with a port from 1 to 65535, the port "
+         "process 0 listens on. Received: '127.0.0.1:0'."),
     ],
 )
 def test_initialize_refuses_bad_settings_before_joining(monkeypatch, kwargs, environment, message):
@@ -355,3 +359,61 @@ def test_a_launched_script_that_never_joins_fails_on_every_worker(tmp_path):
     assert done.returncode != 0
     output = done.stdout + done.stderr
     assert output.count("but this process was started as one of 2") == 2, output[-3000:]
+
+
+@pytest.mark.processes
+def test_processes_running_different_programs_are_named_before_the_first_step(tmp_path):
+    # Before: gloo's "collective mismatch" and SIGABRT after 10 to 22 s.
+    ports = launch.free_ports(2)
+    processes = _start(tmp_path, "32,33", "--epochs-on", "1:2", "--timeout", str(TIMEOUT),
+                       environments=[launch.jax_env(ports, i) for i in range(2)])
+    codes, _ = _wait(processes)
+    assert codes == [1, 1]
+    for index in range(2):
+        assert (
+            "ValueError: The 2 processes do not run the same program: process 0: fit() for 3 "
+            "epochs of a model of 6 trainable variables, 178 values; process 1: fit() for 2 "
+            "epochs of a model of 6 trainable variables, 178 values. Every process must call "
+            "the same methods with the same epochs on the same model"
+        ) in _log(tmp_path, index)
+
+
+def test_a_coordinator_port_held_by_another_program_is_named():
+    import keras_safe_dist
+
+    # Before: a segmentation fault (rc 139) or "Failed to start RPC server".
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(RuntimeError) as error:
+            keras_safe_dist.initialize(
+                coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=0, timeout=10
+            )
+    assert str(error.value) == (
+        f"Process 0 cannot host the coordinator at '127.0.0.1:{port}': port {port} is in use by "
+        "another program. Choose a free port for the first address of "
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES (or coordinator_address), or stop the program that "
+        "holds it."
+    )
+
+
+def test_initialize_called_twice_is_named(tmp_path):
+    # Before: a C++ check failure after about 20 s.
+    port = launch.free_ports(1)[0]
+    script = (
+        "import keras_safe_dist\n"
+        f"keras_safe_dist.initialize('127.0.0.1:{port}', num_processes=1, process_id=0, timeout=10)\n"
+        "try:\n"
+        f"    keras_safe_dist.initialize('127.0.0.1:{port}', num_processes=1, process_id=0, timeout=10)\n"
+        "except RuntimeError as error:\n"
+        "    print('RuntimeError:', error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True,
+                          text=True, timeout=HARD)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        "RuntimeError: keras_safe_dist.initialize() was called twice in this process (or after "
+        "jax.distributed.initialize()): it already runs as process 0 of 1. Call it once, first "
+        "thing in the script."
+    ) in done.stdout

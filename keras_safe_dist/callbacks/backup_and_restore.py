@@ -146,7 +146,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}_{name}")
         # HDF5 crashes the process on a full disk (a segmentation fault after
         # errno 28): make sure of the room first, the previous backup kept.
-        _check_room(directory, name, epoch, self._backup_size or _estimated_size(self.model))
+        previous = _files.exists(os.path.join(directory, METADATA_FILE))
+        _check_room(
+            directory, name, epoch, self._backup_size or _estimated_size(self.model), previous
+        )
         try:
             self.model.save_weights(tmp, overwrite=True)
         except Exception as error:
@@ -280,19 +283,23 @@ def _estimated_size(model):
     return data + _HDF5_BYTES_PER_VARIABLE * len(variables)
 
 
-def _check_room(directory, name, epoch, size):
-    """Raises an `OSError` (ENOSPC) when `directory`'s disk has no room for `size` bytes more."""
+def _check_room(directory, name, epoch, size, previous):
+    """Raises an `OSError` (ENOSPC) when `directory`'s disk has no room for `size` bytes more.
+
+    `previous`: whether a committed backup is there (kept), or this is the first.
+    """
     if _files.remote(directory):
         return
     free = shutil.disk_usage(directory).free
     needed = size + _MARGIN_BYTES
     if free < needed:
+        kept = "The previous backup is kept." if previous else "No backup was written yet."
         raise OSError(
             errno.ENOSPC,
             f"MultiWorkerBackupAndRestore cannot write the backup of epoch {epoch} to "
-            f"backup_dir={directory!r}: {name} needs about {needed} bytes and its disk has "
-            f"{free} bytes free. The previous backup is kept. Free some space, or pass a "
-            "backup_dir on a disk with room",
+            f"backup_dir={directory!r}: {name} needs about {needed} bytes ({size} for the "
+            f"file, {_MARGIN_BYTES} of room) and its disk has {free} bytes free. {kept} "
+            "Free some space, or pass a backup_dir on a disk with room",
         )
 
 

@@ -30,6 +30,7 @@ parser.add_argument("--pydataset", action="store_true", help="fit on a keras.uti
 parser.add_argument("--nan", default="", help="PROCESS:ROW: a NaN in that row of that process's x; NaNOnsetDetector in OUT/nan")
 parser.add_argument("--backup", default="", help="train with MultiWorkerBackupAndRestore in this folder")
 parser.add_argument("--timeout", type=int, default=60, help="keras_safe_dist.initialize's bound")
+parser.add_argument("--epochs-on", default="", help="PROCESS:EPOCHS: that process fits for that many epochs")
 args = parser.parse_args()
 SIZES = [int(n) for n in args.sizes.split(",")]
 BATCH = 8
@@ -148,7 +149,10 @@ class FailAt(keras.callbacks.Callback):
 
 
 def train(shards):
+    global EPOCHS
     process = jax.process_index()
+    if args.epochs_on and int(args.epochs_on.split(":")[0]) == process:
+        EPOCHS = int(args.epochs_on.split(":")[1])
     distribution = keras.distribution.DataParallel(devices=jax.devices())
     distribution.auto_shard_dataset = False  # each process passes its own rows
     keras.distribution.set_distribution(distribution)

@@ -9,13 +9,17 @@ starts the watchdog (`_watchdog.py`) that ends this process when another one
 fails.
 """
 
+import errno
 import os
 import socket
 import sys
 import time
+import zlib
 
 import jax
 import keras
+import numpy as np
+from jax.experimental import multihost_utils
 
 from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax import _watchdog
@@ -28,7 +32,14 @@ INDEX = "KERAS_DISTRIBUTION_PROCESS_ID"
 
 def initialize(coordinator_address=None, num_processes=None, process_id=None, timeout=60):
     """Joins `jax.distributed`; see `keras_safe_dist.initialize`."""
+    if jax.distributed.is_initialized():
+        raise RuntimeError(
+            "keras_safe_dist.initialize() was called twice in this process (or after "
+            f"jax.distributed.initialize()): it already runs as process {jax.process_index()} "
+            f"of {jax.process_count()}. Call it once, first thing in the script."
+        )
     coordinator_address = coordinator_address or _coordinator(os.environ.get(ADDRESSES))
+    _check_port(coordinator_address)
     num_processes = _integer("num_processes", num_processes, COUNT)
     process_id = _integer("process_id", process_id, INDEX)
     if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
@@ -38,6 +49,8 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, ti
         )
     if coordinator_address and process_id:
         _wait_for_coordinator(coordinator_address, process_id, timeout)
+    elif coordinator_address and process_id == 0:
+        _check_port_free(coordinator_address)
     if num_processes is not None:
         # jax ends a process that cannot register in time from C++, with no
         # Python exception: this line says what it was waiting for.
@@ -95,6 +108,43 @@ def _wait_for_coordinator(address, process_id, timeout):
                     "address is process 0's)."
                 ) from error
             time.sleep(0.5)
+
+
+def _check_port(address):
+    """Refuses a coordinator address whose port no process can reach (0, not a number)."""
+    if not address:
+        return
+    _, _, port = address.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            "The coordinator address must be 'host:port' with a port from 1 to 65535, "
+            f"the port process 0 listens on. Received: {address!r}. Give a free port of "
+            "process 0's host (keras-safe-dist launch picks one)."
+        )
+
+
+def _check_port_free(address):
+    """On process 0: refuses a coordinator port that another program holds.
+
+    jax would fail to start its coordination service there ("Failed to start
+    RPC server") or crash the process.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("" if family == socket.AF_INET else "::", int(port)))
+    except OSError as error:
+        if error.errno != errno.EADDRINUSE:
+            return  # not ours to judge (a host name of another machine, say)
+        raise RuntimeError(
+            f"Process 0 cannot host the coordinator at {address!r}: port {port} is in use "
+            "by another program. Choose a free port for the first address of "
+            "KERAS_DISTRIBUTION_JOB_ADDRESSES (or coordinator_address), or stop the "
+            "program that holds it."
+        ) from None
 
 
 def _coordinator(addresses):
@@ -170,3 +220,48 @@ def _mesh_devices(distribution):
     if devices is None:
         return []
     return [d for d in getattr(devices, "flat", devices)]
+
+
+# `where` of check_same_call, as numbers every process exchanges.
+_CALLS = ("fit", "evaluate", "predict")
+
+
+def check_same_call(where, model, epochs=0):
+    """With several processes: refuses to start a call the processes do not all make alike.
+
+    Every process exchanges what it is about to run (the method, the
+    epochs, its model's trainable variables: count, sizes, shapes) before
+    its first step. Processes that differ would otherwise meet in different
+    collectives, which gloo ends with SIGABRT ("collective mismatch") after
+    10 to 20 s.
+
+    Raises:
+        ValueError: on every process, naming what each runs.
+    """
+    if jax.process_count() == 1:
+        return
+    variables = list(model.trainable_variables)
+    shapes = "|".join(f"{v.path}:{tuple(v.shape)}" for v in variables)
+    mine = [
+        _CALLS.index(where),
+        int(epochs),
+        len(variables),
+        sum(int(np.prod(v.shape)) for v in variables) % 2**31,
+        zlib.crc32(shapes.encode()) % 2**31,
+    ]
+    everyone = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.int32)))
+    if (everyone == everyone[0]).all():
+        return
+    described = "; ".join(
+        f"process {i}: {_CALLS[row[0]]}()"
+        + (f" for {row[1]} epochs" if _CALLS[row[0]] == "fit" else "")
+        + f" of a model of {row[2]} trainable variables, {row[3]} values"
+        for i, row in enumerate(everyone.tolist())
+    )
+    if len({tuple(row[:4]) for row in everyone.tolist()}) == 1:
+        described += " (the variables' names or shapes differ)"
+    raise ValueError(
+        f"The {len(everyone)} processes do not run the same program: {described}. Every "
+        "process must call the same methods with the same epochs on the same model (only "
+        "its data may differ). Start every process with the same script and arguments."
+    )

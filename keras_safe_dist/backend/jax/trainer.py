@@ -86,11 +86,13 @@ class JAXTrainer(_compat.EpochEndOverride):
 
     def fit(self, *args, **kwargs):
         processes.check_joined("fit")
+        processes.check_same_call("fit", self, _epochs(args, kwargs))
         with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
         processes.check_joined("evaluate")
+        processes.check_same_call("evaluate", self)
         with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().evaluate(*args, **kwargs)
 
@@ -103,6 +105,7 @@ class JAXTrainer(_compat.EpochEndOverride):
                 "steps_per_execution=1 for predict()."
             )
         processes.check_joined("predict")
+        processes.check_same_call("predict", self)
         with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().predict(*args, **kwargs)
 
@@ -306,6 +309,11 @@ class JAXTrainer(_compat.EpochEndOverride):
 
     def _update_log_names(self):
         return statistics.LOG_NAMES if self._stats_logged else ()
+
+
+def _epochs(args, kwargs):
+    """The `epochs` of a `fit(x, y, batch_size, epochs, ...)` call."""
+    return kwargs.get("epochs", args[3] if len(args) > 3 else 1)
 
 
 @contextlib.contextmanager
