@@ -15,7 +15,8 @@ _SUMMARY = (
     "over 2 devices; dense/bias is on cpu:0, not P(None,) over 2 devices; "
     "batch_normalization/gamma is on cpu:0, not P(None,) over 2 devices; and 3 more): they "
     "were created before `keras.distribution.set_distribution(...)` (or outside "
-    "`distribution.scope()`), so they stay on one device; "
+    "`distribution.scope()`, or under another distribution), so they stay where they "
+    "were created; "
 )
 _FIX = (
     "Call `keras.distribution.set_distribution(...)` before creating the model, the "

@@ -200,3 +200,18 @@ def test_keras_warns_that_the_input_ran_out_through_the_overridden_method(recwar
         model.fit(batches(), epochs=1, verbose=0)
     assert not any("ran out of data" in str(w.message) for w in recwarn)
     assert hasattr(_jax_compat.epoch_iterator_class(), "_interrupted_warning")
+
+
+def test_a_variable_keeps_its_creation_layout_and_the_fresh_one_is_the_new_distribution_s():
+    import jax
+
+    wide = keras.distribution.DataParallel(devices=jax.devices())
+    with wide.scope():
+        variable = keras.Variable(np.zeros((4, 2), "float32"))
+    narrow = keras.distribution.DataParallel(devices=jax.devices()[:1])
+    # Keras answers with the layout the variable was created with...
+    assert narrow.get_variable_layout(variable).device_mesh is wide.device_mesh
+    # ...the compat function with the one the new distribution gives it.
+    fresh = _jax_compat.fresh_variable_layout(narrow, variable)
+    assert fresh.device_mesh is narrow.device_mesh
+    assert variable._layout.device_mesh is wide.device_mesh  # unchanged

@@ -584,8 +584,8 @@ def test_a_model_built_before_the_distribution_is_laid_out_once_and_trains_exact
         f"({kernel} is on cpu:0, not P(None, None) over 2 devices; {bias} is on cpu:0, "
         f"not P(None,) over 2 devices; {out_kernel} is on cpu:0, not P(None, None) over 2 "
         "devices; and 1 more): they were created before "
-        "`keras.distribution.set_distribution(...)` (or outside `distribution.scope()`), so "
-        "they stay on one device. They are now laid out on the distribution, once, with "
+        "`keras.distribution.set_distribution(...)` (or outside `distribution.scope()`, or "
+        "under another distribution), so they stay where they were created. They are now laid out on the distribution, once, with "
         "their values unchanged (JAX002). Call `keras.distribution.set_distribution(...)` "
         "before creating the model, the optimizer and the metrics (or create them under "
         "`distribution.scope()`)."
@@ -660,3 +660,18 @@ def test_an_optimizer_that_accumulates_is_refused_without_tensorflow_terms():
         "SafeDistributedModel(...) instead and leave it unset on the optimizer. Received "
         "optimizer: sgd"
     )
+
+
+def test_a_model_fitted_under_one_distribution_then_another_is_laid_out_again():
+    # Before (stock Keras too): "Received incompatible devices for jitted computation".
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    x, y, _ = regression_data(16)
+    inputs = keras.Input((4,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:1]))
+    with pytest.warns(UserWarning, match=r"or under another distribution\), so they stay where they were created.*JAX002"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert model.trainable_variables[0].value.sharding.device_set == {jax.devices()[0]}
+    assert np.isfinite(model.evaluate(x, y, verbose=0))

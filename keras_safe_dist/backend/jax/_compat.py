@@ -169,3 +169,18 @@ def latest_metrics_values(model):
     if not state:
         return None
     return state.get("metrics_variables")
+
+
+def fresh_variable_layout(distribution, variable):
+    """The layout `distribution` gives `variable`, as if the variable were created under it.
+
+    Keras's `get_variable_layout` returns the layout a variable was given at
+    creation (its `_layout`) when it has one: a variable created under
+    another distribution would look right under this one.
+    """
+    saved = variable._layout
+    variable._layout = None
+    try:
+        return distribution.get_variable_layout(variable)
+    finally:
+        variable._layout = saved

@@ -109,12 +109,28 @@ class JAXTrainer(_compat.EpochEndOverride):
         with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
             return super().predict(*args, **kwargs)
 
+    def _new_distribution(self, kind):
+        """Whether the distribution changed since the `kind` function was compiled.
+
+        Keras keeps a compiled step across `set_distribution(...)` calls, and
+        it then fails on the variables laid out for the old one ("Received
+        incompatible devices for jitted computation"): such a step is
+        compiled again, after the variables are laid out on the new one.
+        """
+        current = keras.distribution.distribution()
+        made = self.__dict__.setdefault("_compiled_under", {})
+        changed = kind in made and made[kind] is not current
+        made[kind] = current
+        return changed
+
     def make_test_function(self, force=False):
+        force = self._new_distribution("test") or force
         if self.test_function is None or force:
             variable_layout.laid_out(self)
         return super().make_test_function(force)
 
     def make_predict_function(self, force=False):
+        force = self._new_distribution("predict") or force
         if self.predict_function is None or force:
             variable_layout.laid_out(self)
         super().make_predict_function(force)
@@ -148,6 +164,8 @@ class JAXTrainer(_compat.EpochEndOverride):
             return super().predict_on_batch(*args, **kwargs)
 
     def make_train_function(self, force=False):
+        if self._new_distribution("train"):
+            force = True  # the variables are laid out on the new distribution first
         if self._stats_logged != self._stats_requested:
             force = True  # the update statistics were asked for, or no more
         engine = self._update_engine

@@ -12,6 +12,7 @@ loop's state. Only imported on the JAX backend.
 """
 
 import jax
+import keras
 
 from keras_safe_dist import _warnings
 from keras_safe_dist.backend.jax import _compat as _jax_compat
@@ -25,7 +26,8 @@ __all__ = ["layout_findings", "laid_out"]
 
 _CAUSE = (
     "they were created before `keras.distribution.set_distribution(...)` (or outside "
-    "`distribution.scope()`), so they stay on one device"
+    "`distribution.scope()`, or under another distribution), so they stay where they "
+    "were created"
 )
 _FIX = (
     "Call `keras.distribution.set_distribution(...)` before creating the model, the "
@@ -87,7 +89,9 @@ def laid_out(model):
             own values on its own device: the message names the variables
             and the fix.
     """
-    distribution = current_distribution()
+    # Any distribution, one device's too: variables laid out for another
+    # distribution (over more devices) are misplaced there as well.
+    distribution = keras.distribution.distribution()
     if distribution is None:
         return
     variables = _variables(model)
@@ -124,7 +128,7 @@ def _misplaced_variables(distribution, variables):
     """`(variable, layout, problem)` for each variable not laid out as `distribution` says."""
     wrong = []
     for variable in variables:
-        layout = distribution.get_variable_layout(variable)
+        layout = _jax_compat.fresh_variable_layout(distribution, variable)
         problem = misplaced(variable.value, getattr(layout, "backend_layout", layout))
         if problem:
             wrong.append((variable, layout, problem))
