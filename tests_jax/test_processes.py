@@ -161,20 +161,16 @@ def test_a_process_that_raises_ends_every_process_naming_it(tmp_path):
 
 
 @pytest.mark.processes
-def test_a_killed_process_ends_every_other_within_the_bound_naming_it(tmp_path):
-    codes, after = _failure(tmp_path, "--die")
-    assert codes[1] == -signal.SIGKILL
-    assert codes[0] != 0
-    assert after[0] < TIMEOUT + 5
-    assert "process 1: stopped answering (killed or exited)" in _log(tmp_path, 0)
-
-
-@pytest.mark.processes
-def test_sigterm_to_one_process_ends_the_run_naming_it(tmp_path):
-    # Before: jax's preemption service took the signal and the run trained
+@pytest.mark.parametrize(
+    "option, signal_",
+    # SIGTERM, before: jax's preemption service took it and the run trained
     # to its end, rc 0.
-    codes, after = _failure(tmp_path, "--term")
-    assert codes[1] == -signal.SIGTERM
+    [("--die", signal.SIGKILL), ("--term", signal.SIGTERM)],
+    ids=["SIGKILL", "SIGTERM"],
+)
+def test_a_killed_process_ends_every_other_within_the_bound_naming_it(tmp_path, option, signal_):
+    codes, after = _failure(tmp_path, option)
+    assert codes[1] == -signal_
     assert codes[0] != 0
     assert after[0] < TIMEOUT + 5
     assert "process 1: stopped answering (killed or exited)" in _log(tmp_path, 0)
