@@ -403,3 +403,27 @@ def test_report_reads_a_jax_run(tmp_path, devices, capsys):
     assert "NAN001" in out and "JAX001" in out
     assert "epoch 0, batch 3" in out
     assert glob.glob(os.path.join(log_dir, "safe_distributed", "events.*"))
+
+
+def test_nan_detector_restore_puts_back_the_weights_before_an_epoch_s_last_update(devices):
+    # The epoch's last update overflows the weights with a finite gradient:
+    # no later step sees it; the epoch-end check does, and the copy kept in
+    # the step (from the start of that last step) is put back.
+    x, y, _ = regression_data(16)  # 2 batches of 8: the second update overflows
+    model = mlp(learning_rate=0.01)
+    model.global_clipnorm = None
+    detector = callbacks.NaNOnsetDetector(action="restore")
+
+    class Overflow(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 1:
+                self.before = [np.array(w) for w in self.model.get_weights()]
+                self.model.optimizer.learning_rate.assign(np.inf)
+
+    overflow = Overflow()
+    fit(model, x, y, [overflow, detector], epochs=1)
+    report = detector.report
+    assert (report["batch"], report["kind"]) == (1, "weights")
+    assert report["restored_to"] == "before this batch"
+    for restored, before in zip(model.get_weights(), overflow.before):
+        np.testing.assert_array_equal(restored, before)

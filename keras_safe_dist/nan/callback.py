@@ -435,7 +435,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if previous and self._previous is None:
             report["notes"].append("The weights were non-finite before training began.")
         if self.action == "restore":
-            self._restore(report, previous)
+            # JAX: the step held the state from an onset it recorded; weights
+            # found non-finite at an epoch's end were not held.
+            self._restore(report, previous or (self._jax and onset is None))
         if self.action != "continue":
             model.stop_training = True
         named = shares if self._jax else {r: self._probe.named(share) for r, share in shares.items()}
@@ -587,7 +589,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     def _restore(self, report, previous):
         if self._jax:
             # The step held the onset's update and every later one: the
-            # weights are those from before the onset batch.
+            # weights are those from before the onset batch. Otherwise the
+            # copy from the start of the step before is put back.
             if previous and not self._watch.restore_previous(self.model):
                 report["restored_to"] = None
                 report["notes"].append("No finite copy of the weights was available to restore.")
