@@ -13,6 +13,7 @@ TensorFlow's `UpdateEngine`; the trainer is `trainer.py`, beside this module.
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from keras import ops
 
 from keras_safe_dist import _compat
@@ -92,12 +93,12 @@ class JAXUpdateEngine:
     # Host side.
 
     def begin_fit(self):
-        self.stats.assign(ops.zeros((len(_stats.FIELDS),), "float32"))
+        self.stats.assign(_RESET_FIT(self.stats.value))
 
     def begin_epoch(self, steps):
         self.epoch_open = True
-        kept = ops.convert_to_tensor(_stats.KEPT_ACROSS_EPOCHS, "float32")
-        self.stats.assign(self.stats.value * kept)
+        # One compiled call: Keras's eager ops cost tens of microseconds each.
+        self.stats.assign(_RESET_EPOCH(self.stats.value))
 
     def end_epoch(self):
         """Applies the epoch's pending partial group, once per epoch; returns whether one was."""
@@ -144,11 +145,11 @@ class JAXUpdateEngine:
 
     def updates_in_epoch(self):
         """The updates applied in this epoch so far (one host read)."""
-        return int(self.stats.value[_stats.index("updates_in_epoch")])
+        return int(np.asarray(self.stats.value)[_stats.index("updates_in_epoch")])
 
     def first_skip(self):
         """`(update index, samples)` of the epoch's first skipped update, or None."""
-        return _stats.first_skip([float(v) for v in self.stats.value])
+        return _stats.first_skip(np.asarray(self.stats.value).tolist())  # one read
 
     # Traced inside the step.
 
@@ -387,6 +388,11 @@ class JAXUpdateEngine:
             i for i, v in enumerate(optimizer.variables) if v is optimizer.dynamic_scale
         )
         return optimizer_values[index]
+
+
+# The statistics at a fit()'s and an epoch's start, from those before.
+_RESET_FIT = jax.jit(jnp.zeros_like)
+_RESET_EPOCH = jax.jit(lambda stats: stats * np.asarray(_stats.KEPT_ACROSS_EPOCHS, "float32"))
 
 
 def _global_norm(tensors):
