@@ -1,17 +1,20 @@
 """Where a non-finite value came from on Keras's JAX backend: kind, layer, sample rows.
 
 On TensorFlow the train step carries the detector's probes (`probe.NaNProbe`).
-On JAX `NaNOnsetDetector` reads each step's logs (the loss, `grad_norm`,
-`skipped_updates`) instead, and at the first onset this module looks on the
-host: the weights (non-finite after an update that overflowed), then the
-micro-batches of the onset's accumulation group, which the JAX trainer keeps
-by reference while a detector is in `fit()` (`model._nan_batches`). Each is
-replayed eagerly with `model.stateless_call`, every layer's `call` wrapped to
-check its output, so nothing the replay changes (BatchNormalization
-statistics, seeds, metrics) reaches the model. On JAX a batch is one global
-array, so the report names sample rows, never a replica.
+On JAX a `SafeDistributedModel`'s step keeps the detector's record
+(`nan_watch.py`: which step went non-finite, the state held after it), and
+once the detector reads an onset this module looks on the host: the weights
+(non-finite after an update that overflowed), then the micro-batches of the
+onset's accumulation group, which the JAX trainer keeps by reference
+(`nan_watch.OnsetWatch.record_batch`). Each is replayed eagerly with
+`model.stateless_call`, every layer's `call` wrapped to check its output, so
+nothing the replay changes (BatchNormalization statistics, seeds, metrics)
+reaches the model. On JAX a batch is one global array, so the report names
+sample rows, never a replica. A plain `keras.Model` is checked from its
+logged loss; `JAXSnapshots` keeps its copies for `action="restore"`.
 
-Only the chief process's view is used; every process reads the same logs.
+Every process reads the same record at the same steps, and takes the same
+decision.
 """
 
 from typing import NamedTuple
@@ -193,7 +196,7 @@ def _nonfinite_rows(structure):
 
 
 class JAXSnapshots:
-    """Two rotating device copies of the weights and optimizer state (`action="restore"`).
+    """Two rotating device copies of a plain model's weights and optimizer state (`action="restore"`).
 
     Keras's JAX trainer donates the state to each step, so a copy is taken
     (on the device, no host transfer) before each batch.
