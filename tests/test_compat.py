@@ -433,3 +433,23 @@ def test_distributed_dataset_knows_the_dataset_it_was_made_from():
     assert _tf_compat.distributed_source(strategy.experimental_distribute_dataset(dataset)) is dataset
     from_function = strategy.distribute_datasets_from_function(lambda _: dataset)
     assert _tf_compat.distributed_source(from_function) is None
+
+
+def test_a_traced_tensor_is_told_same_for_every_sample_only_when_no_data_reaches_it():
+    from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
+
+    constant = tf.constant([[0, 1, 2]])  # captured from outside, as a layer's built ids
+    found = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32)])
+    def step(ids):
+        found["data"] = _tf_compat.same_for_every_sample(tf.reshape(ids, [-1]))
+        found["range"] = _tf_compat.same_for_every_sample(tf.range(3) + 1)
+        found["captured"] = _tf_compat.same_for_every_sample(tf.reshape(constant, [-1]))
+        # A shape TensorFlow does not know when tracing comes from the data.
+        found["dynamic shape"] = _tf_compat.same_for_every_sample(tf.range(tf.shape(ids)[1]))
+        return ids
+
+    step(tf.constant([[3, 4, 5]]))
+    assert found == {"data": False, "range": True, "captured": True, "dynamic shape": False}
+    assert _tf_compat.same_for_every_sample(tf.constant([1])) is False  # eager: nothing to walk

@@ -121,6 +121,38 @@ class RowSum:
         )
 
 
+class SharedRowSum:
+    """The summed rows of a sparse gradient whose rows are the same in every micro-batch.
+
+    An Embedding looked up with ids that do not depend on the sample (a
+    position table over `arange(P)`, shared by every sample): one device's
+    gradient has one row per id, summed over the batch, so the micro-batches'
+    rows are summed row by row, keeping one device's rows.
+
+    Args:
+        variable: the trainable variable (an Embedding's table).
+    """
+
+    def __init__(self, variable):
+        self.shape = tuple(variable.shape)
+        dtype = accumulator_dtype(variable.dtype)
+        rows = tf.TensorShape([None]).concatenate(self.shape[1:])
+        self.values = tf.Variable(
+            tf.zeros([0, *self.shape[1:]], dtype), shape=rows, name="safe_dist_shared_rows", **_LOCAL
+        )
+        self.indices = tf.Variable(
+            tf.zeros([0], tf.int64), shape=[None], name="safe_dist_shared_row_indices", **_LOCAL
+        )
+        self.dtype = self.values.dtype
+
+    prepare = RowSum.prepare
+    read = RowSum.read
+    start = RowSum.start
+
+    def add(self, grad):
+        self.values.assign_add(grad.values)
+
+
 class Accumulators:
     """One sum per trainable variable of a model, chosen by its gradient's kind.
 
@@ -135,17 +167,24 @@ class Accumulators:
         row_ids = row_variables(model) if rows else set()
         self.dense = [DenseSum(v, lazy=id(v) in row_ids) for v in model.trainable_weights]
         self.rows = [RowSum(v) if id(v) in row_ids else None for v in model.trainable_weights]
+        self.shared = [
+            SharedRowSum(v) if id(v) in row_ids else None for v in model.trainable_weights
+        ]
         # Set while the train step is traced: which sum each variable uses.
         self.row_wise = set()
+        self.shared_rows = set()
         self.no_gradient = set()
         self.warned = False
 
-    def pairs(self, grads):
+    def pairs(self, grads, shared_rows=frozenset()):
         """`(sum, prepared gradient)` for each gradient that is not None.
 
         Called while the step is traced; records which sums `read()` reads.
+        `shared_rows`: indices of the sparse gradients whose rows are the
+        same in every micro-batch (`SharedRowSum`).
         """
         self.no_gradient = {i for i, g in enumerate(grads) if g is None}
+        self.shared_rows = {i for i in shared_rows if self.shared[i] is not None}
         self.row_wise = {
             i
             for i, g in enumerate(grads)
@@ -172,15 +211,16 @@ class Accumulators:
         for i, grad in enumerate(grads):
             if grad is None:
                 continue
-            target = self.rows[i] if i in self.row_wise else self.dense[i]
-            pairs.append((target, target.prepare(grad)))
+            pairs.append((self._sum(i), self._sum(i).prepare(grad)))
         return pairs
+
+    def _sum(self, i):
+        if i in self.shared_rows and i in self.row_wise:
+            return self.shared[i]
+        return self.rows[i] if i in self.row_wise else self.dense[i]
 
     def read(self):
         """Replica context: each variable's summed gradient (None for none)."""
         return [
-            None
-            if i in self.no_gradient
-            else (self.rows[i] if i in self.row_wise else self.dense[i]).read()
-            for i in range(len(self.dense))
+            None if i in self.no_gradient else self._sum(i).read() for i in range(len(self.dense))
         ]

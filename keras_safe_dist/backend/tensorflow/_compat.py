@@ -363,3 +363,48 @@ def _spec_tensor(spec):
         sparse=isinstance(spec, tf.SparseTensorSpec),
         ragged=isinstance(spec, tf.RaggedTensorSpec),
     )
+
+
+# Ops through which a step's data enters its graph.
+_DATA_OPS = frozenset({
+    "IteratorGetNext",
+    "IteratorGetNextSync",
+    "IteratorGetNextAsOptional",
+    "OptionalGetValue",
+    "MultiDeviceIteratorGetNextFromShard",
+})
+
+
+def same_for_every_sample(tensor):
+    """Whether a traced `tensor` depends on no data of the step (a constant's descendant).
+
+    Walks `tensor`'s ops back to their sources: any data op, or any input of
+    the function being traced (a `Placeholder` that is not a captured
+    constant), makes it data. Reads TensorFlow's `FuncGraph.captures`. False
+    when executing eagerly (nothing to walk).
+    """
+    if tf.executing_eagerly() or not hasattr(tensor, "op"):
+        return False
+    seen = set()
+    stack = [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type in _DATA_OPS:
+            return False
+        if op.type == "Placeholder" and not _captured_constant(op):
+            return False
+        stack.extend(source.op for source in op.inputs)
+    return True
+
+
+def _captured_constant(placeholder):
+    """Whether `placeholder` holds a constant the traced function captured from outside."""
+    for external, internal in getattr(placeholder.graph, "captures", ()):
+        if internal.op is placeholder:
+            return isinstance(external, tf.Tensor) and hasattr(external, "numpy") and (
+                external.dtype != tf.resource
+            )
+    return False

@@ -55,6 +55,8 @@ class UpdateEngine:
         # need dividing by the reduced denominator (False without accumulation,
         # where `objective()` divides first, and for reduction="sum").
         self.normalized = True
+        # Set while the step is traced (after_micro_batch).
+        self.shared_rows = set()
         # Between `begin_epoch()` and `end_epoch()`.
         self.epoch_open = False
         # JAX's engine keeps a NaNOnsetDetector's record here; TensorFlow's step
@@ -238,6 +240,15 @@ class UpdateEngine:
             restore: the factor `objective()` returned, or None.
         """
         self.normalized = micro.denominator is not None
+        # Sparse gradients whose rows are the same in every sample's share (an
+        # Embedding over constant ids, shared by every sample): their rows are
+        # summed row by row across replicas and micro-batches, as one device's
+        # gradient has them once, summed over the batch.
+        self.shared_rows = {
+            i
+            for i, g in enumerate(grads)
+            if isinstance(g, tf.IndexedSlices) and _tf_compat.same_for_every_sample(g.indices)
+        }
         totals = tf.stack(
             [
                 micro.numerator,
@@ -252,7 +263,9 @@ class UpdateEngine:
             context.merge_call(self._update_now, args=(grads, totals))
             return
         # A variable with no gradient keeps none.
-        pairs = [(acc, _restored(g, restore)) for acc, g in self.sums.pairs(grads)]
+        pairs = [
+            (acc, _restored(g, restore)) for acc, g in self.sums.pairs(grads, self.shared_rows)
+        ]
 
         # The first micro-batch of a group overwrites the sums, so they
         # never need zeroing (a zeros constant the size of the model).
@@ -299,11 +312,21 @@ class UpdateEngine:
 
     def _reduce(self, grads, totals):
         """Replica context: the one all-reduce, then normalization and clipping."""
-        present = [g for g in grads if g is not None]
+        # Shared rows (see after_micro_batch) are summed as values, one row of
+        # each replica onto the same row of the others; other sparse
+        # gradients are gathered, every row kept, as in stock Keras.
+        shared = {
+            i: g for i, g in enumerate(grads)
+            if i in self.shared_rows and isinstance(g, tf.IndexedSlices)
+        }
+        flat = [shared[i].values if i in shared else g for i, g in enumerate(grads)]
+        present = [g for g in flat if g is not None]
         reduced = _all_reduce_sum(present + [totals])
         totals = reduced[-1]
         summed = iter(reduced[:-1])
-        grads = [None if g is None else next(summed) for g in grads]
+        grads = [None if g is None else next(summed) for g in flat]
+        for i, g in shared.items():
+            grads[i] = tf.IndexedSlices(grads[i], g.indices, g.dense_shape)
         numerator, denominator, samples = tf.unstack(totals)
         divisor = None
         loss = numerator
