@@ -121,7 +121,7 @@ class RowSum:
         )
 
 
-class SharedRowSum:
+class SharedRowSum(RowSum):
     """The summed rows of a sparse gradient whose rows are the same in every micro-batch.
 
     An Embedding looked up with ids that do not depend on the sample (a
@@ -132,22 +132,6 @@ class SharedRowSum:
     Args:
         variable: the trainable variable (an Embedding's table).
     """
-
-    def __init__(self, variable):
-        self.shape = tuple(variable.shape)
-        dtype = accumulator_dtype(variable.dtype)
-        rows = tf.TensorShape([None]).concatenate(self.shape[1:])
-        self.values = tf.Variable(
-            tf.zeros([0, *self.shape[1:]], dtype), shape=rows, name="safe_dist_shared_rows", **_LOCAL
-        )
-        self.indices = tf.Variable(
-            tf.zeros([0], tf.int64), shape=[None], name="safe_dist_shared_row_indices", **_LOCAL
-        )
-        self.dtype = self.values.dtype
-
-    prepare = RowSum.prepare
-    read = RowSum.read
-    start = RowSum.start
 
     def add(self, grad):
         self.values.assign_add(grad.values)
