@@ -534,8 +534,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._last_batch = self._batch_of(step)
         self._previous = self._batch_of(step - 1) if step > 0 else None
         self._recent.clear()
-        onset = self._watch.read()
-        for index, loss, norm in self._watch.history_rows(onset, self.history):
+        for index, loss, norm in self._watch.history_rows(step, self.history):
             epoch, batch = self._batch_of(index)
             self._recent.append(
                 {"epoch": epoch, "batch": batch, "loss": loss, "grad_norm": norm}

@@ -198,9 +198,8 @@ class OnsetWatch:
         onset = self.read()
         return onset.limit_step is not None or (self.freezes and onset.step is not None)
 
-    def history_rows(self, onset, count):
-        """`(step, loss, grad_norm)` of the last `count` steps up to the onset (or the last step)."""
-        last = onset.step if onset.step is not None else onset.steps - 1
+    def history_rows(self, last, count):
+        """`(step, loss, grad_norm)` of the last `count` steps up to step `last`."""
         rows = np.asarray(self.history.value.addressable_data(0))
         size = len(rows) - 1
         first = max(0, last - min(count, size) + 1)
