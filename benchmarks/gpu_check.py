@@ -52,7 +52,11 @@ Usage, from the repository root:
     or after `python3 -m pip install --no-deps keras-3.15.1-py3-none-any.whl`:
         PYTHONPATH=. python3 benchmarks/gpu_check.py --json "$OUT/gpu_check.json"
     Options: --models mlp,convnet,transformer  --rounds N  --quick  --json PATH
-             --deterministic  --steps-per-execution N
+             --deterministic  --steps-per-execution N  --only exactness|speed
+             --profile (device time a step, by stream and kernel, from a
+             jax.profiler trace of one epoch of each timed model)
+    The JSON is rewritten after each model, so a run stopped at a time limit
+    keeps the models it finished.
 """
 
 import argparse
@@ -304,22 +308,71 @@ def timing(configs, x, y, batch, rounds, callbacks=None):
     }
 
 
-def check(model, quick, rounds, steps_per_execution=1):
+def device_profile(configs, x, y, batch, callbacks=None):
+    """Per config, the device's events a step in one traced epoch of a warm model.
+
+    From a `jax.profiler` trace: for each line of the device planes (a GPU's
+    streams, "XLA Modules", "XLA Ops"), the events and their microseconds a
+    step, and the 12 kernels that take the most time on the streams. Empty on
+    a platform whose trace has no device plane (a CPU).
+    """
+    callbacks = callbacks or {}
+    profile = {}
+    steps = -(-len(x) // batch)
+    for name, model in configs.items():
+        trace_dir = tempfile.mkdtemp()
+        jax.profiler.start_trace(trace_dir)
+        try:
+            model.fit(
+                x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                callbacks=callbacks.get(name),
+            )
+            wait(model)
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        lines, kernels = {}, {}
+        for plane in jax.profiler.ProfileData.from_file(paths[0]).planes if paths else ():
+            if not plane.name.startswith("/device:"):
+                continue
+            for line in plane.lines:
+                row = lines.setdefault(line.name, {"events": 0, "us": 0.0})
+                for event in line.events:
+                    row["events"] += 1
+                    row["us"] += event.duration_ns / 1e3
+                    if line.name.startswith("Stream"):
+                        kernel = kernels.setdefault(event.name[:120], {"events": 0, "us": 0.0})
+                        kernel["events"] += 1
+                        kernel["us"] += event.duration_ns / 1e3
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        per_step = lambda row: {key: value / steps for key, value in row.items()}  # noqa: E731
+        top = sorted(kernels.items(), key=lambda item: -item[1]["us"])[:12]
+        profile[name] = {
+            "lines": {key: per_step(row) for key, row in lines.items()},
+            "top_kernels": {key: per_step(row) for key, row in top},
+        }
+    return profile
+
+
+def check(model, quick, rounds, steps_per_execution=1, parts=("exactness", "speed"), profile=False):
     start = time.perf_counter()
     size = SIZES[model][quick]
     weights = initial_weights(model, size)
     epochs = EXACT_EPOCHS[quick]
     x, y = data(model, size, EXACT_BATCH * UPDATES_PER_EPOCH[quick])
     result = {"name": describe(model, size), "exactness": {}, "floor": {}, "traced": {}}
-    for optimizer, precision in EXACT_RUNS[quick]:
+    for optimizer, precision in EXACT_RUNS[quick] if "exactness" in parts else ():
         counts = result["traced"].setdefault(precision, {"ops": 0, "highest": 0})
         with traced_precision(counts):
             result["exactness"].setdefault(optimizer, {})[precision] = exactness(
                 model, size, weights, x, y, optimizer, precision, epochs
             )
-    for precision in PRECISIONS:
+    for precision in PRECISIONS if "exactness" in parts else ():
         result["floor"][precision] = stock_floor(model, size, weights, x, y, precision)
     result["exactness_seconds"] = time.perf_counter() - start
+    if "speed" not in parts:
+        result["seconds"] = time.perf_counter() - start
+        return result
 
     batch, full_steps, quick_steps = SPEED[model]
     x, y = data(model, size, batch * (quick_steps if quick else full_steps), seed=1)
@@ -347,6 +400,10 @@ def check(model, quick, rounds, steps_per_execution=1):
             callbacks={"other": [detector]},
         )
         result["detector"]["onset_reported"] = detector.report is not None
+    if profile:
+        result["profile"] = device_profile(
+            models, x, y, batch, callbacks={"safe, detector": [NaNOnsetDetector()]}
+        )
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -390,7 +447,7 @@ def table(report):
         "HIGHEST / all compiled in those runs)",
     ]
     for result in report["models"].values():
-        for precision in PRECISIONS:
+        for precision in PRECISIONS if result["floor"] else ():
             cells = [
                 result["exactness"].get(optimizer, {}).get(precision, {}).get(key)
                 for optimizer in ("sgd", "adam")
@@ -422,6 +479,18 @@ def table(report):
                 f"{row['ratio']:>6.3f} {f'{low:.3f}-{high:.3f}':>13} "
                 f"{row['per_step_us']:>+7.0f}µs"
             )
+    for result in report["models"].values():
+        for config, profile in result.get("profile", {}).items():
+            streams = [row for line, row in profile["lines"].items() if line.startswith("Stream")]
+            lines.append(
+                f"profile {result['name']}, {config}: "
+                + ", ".join(
+                    f"{line} {row['events']:.1f} events {row['us']:.1f} µs"
+                    for line, row in profile["lines"].items()
+                )
+                + f"; streams: {sum(row['events'] for row in streams):.1f} kernels, "
+                f"{sum(row['us'] for row in streams):.1f} µs a step"
+            )
     lines += ["", f"tensorflow imported: {report['tensorflow_imported']}"]
     return "\n".join(lines)
 
@@ -446,6 +515,14 @@ def main(argv=None):
         help=f"XLA_FLAGS {DETERMINISTIC_FLAG} (read before jax starts)",
     )
     parser.add_argument("--steps-per-execution", type=int, default=1, help="of the timed models")
+    parser.add_argument(
+        "--only", choices=("exactness", "speed"), help="run one part (default: both)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace one epoch of each timed model; device time a step, by stream and kernel",
+    )
     args = parser.parse_args(argv)
     if args.steps_per_execution < 1:
         parser.error(
@@ -485,10 +562,22 @@ def main(argv=None):
         "updates_per_epoch": UPDATES_PER_EPOCH[args.quick],
         "deterministic_ops": DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", ""),
         "steps_per_execution": args.steps_per_execution,
-        "models": {
-            name: check(name, args.quick, rounds, args.steps_per_execution) for name in models
-        },
+        "models": {},
     }
+    for name in models:
+        report["models"][name] = check(
+            name,
+            args.quick,
+            rounds,
+            args.steps_per_execution,
+            parts=(args.only,) if args.only else ("exactness", "speed"),
+            profile=args.profile,
+        )
+        print(f"({name}: {report['models'][name]['seconds']:.0f} s)", flush=True)
+        if args.json:
+            # Each model's figures as they come: a run stopped at its time
+            # limit keeps the models it finished.
+            write_json(args.json, {**report, "tensorflow_imported": "tensorflow" in sys.modules})
     report["seconds"] = time.perf_counter() - start
     report["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     report["tensorflow_imported"] = "tensorflow" in sys.modules

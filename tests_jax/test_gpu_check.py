@@ -116,3 +116,23 @@ def test_speed_ratios_are_positive_and_finite(report):
 def test_runs_without_importing_tensorflow(report):
     # Also where TensorFlow is installed: nothing on the JAX path imports it.
     assert report["tensorflow_imported"] is False
+
+
+def test_only_speed_with_a_profile_skips_the_exactness_runs(tmp_path):
+    path = tmp_path / "speed.json"
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--models", "mlp",
+        "--rounds", "1", "--only", "speed", "--profile", "--json", str(path),
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    mlp = json.loads(path.read_text(), parse_constant=_strict)["models"]["mlp"]
+    assert mlp["exactness"] == {} and mlp["floor"] == {}
+    assert mlp["speed"]["rounds"] == 1 and mlp["speed"]["ratio"] > 0
+    # A CPU's trace has no device plane: the profile is there, and empty.
+    assert set(mlp["profile"]) == {"stock", "safe", "safe, detector"}
+    assert all(entry["lines"] == {} for entry in mlp["profile"].values())

@@ -165,3 +165,14 @@ def test_batches_kept_for_the_replay_are_bounded():
     assert len(watch.batches) == 2 * 5 + 1
     assert [step for step, _ in watch.batches] == list(range(40 - 11, 40))
     np.testing.assert_array_equal(np.asarray(watch.batches[-1][1][0]), x[-8:])
+
+
+def test_the_nan_detector_adds_few_executions_to_a_fit(tmp_path):
+    # Per fit() of 50 steps: a copy of the record at each of the 2 checks,
+    # and the weights' epoch-end check, one computation over all of them
+    # (one per variable and a read each: 13 more than the safe model's).
+    build = _mlp(SafeDistributedModel)
+    safe = _count(build(), 50, lambda: [], tmp_path)[0]
+    callbacks = lambda: [NaNOnsetDetector(check_every=25)]  # noqa: E731
+    detector = _count(build(), 50, callbacks, tmp_path)[0]
+    assert detector - safe <= 2 + 1, (detector, safe)

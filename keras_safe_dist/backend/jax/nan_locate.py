@@ -57,12 +57,23 @@ class Found(NamedTuple):
 
 
 def nonfinite_weights(model):
-    """Paths of `model`'s floating trainable weights holding a NaN or an infinity."""
-    return [
-        v.path
-        for v in model.trainable_weights
-        if jnp.issubdtype(v.value.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(v.value)))
+    """Paths of `model`'s floating trainable weights holding a NaN or an infinity.
+
+    One compiled computation over all of them and one host read, not one
+    per weight (each eager operation is a launch, each read a wait).
+    """
+    weights = [
+        v for v in model.trainable_weights if jnp.issubdtype(v.value.dtype, jnp.floating)
     ]
+    if not weights:
+        return []
+    finite = np.asarray(_all_finite_each([v.value for v in weights]))
+    return [v.path for v, ok in zip(weights, finite) if not ok]
+
+
+@jax.jit
+def _all_finite_each(values):
+    return jnp.stack([jnp.all(jnp.isfinite(value)) for value in values])
 
 
 def locate(model, batches):
