@@ -15,12 +15,17 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, ti
     `KERAS_DISTRIBUTION_PROCESS_ID`, else what jax finds by itself (Slurm,
     Open MPI, Kubernetes, Cloud TPU). CPU devices exchange data over gloo.
 
-    Beyond Keras's call: a process that cannot join within `timeout` seconds
-    (a wrong address or process count, a coordinator that is not running)
-    raises; and once joined, when any process fails (raises out of `fit()`,
-    `evaluate()` or `predict()`, exits, or is killed), every other process
-    prints which one and exits with status 1 within `timeout` seconds, instead
-    of waiting in a collective for good. See docs/scaling_out.md.
+    Beyond Keras's call: a process that cannot reach the coordinator within
+    `timeout` seconds raises, and so does a second process of the run with
+    the same process id on one machine. Where the processes reach the
+    coordinator but not all of them register within `timeout` (a process
+    count above the processes started, a process id taken on another
+    machine), jax's wait cannot be interrupted: the process prints the cause
+    and exits with status 1. Once joined, when any process fails (raises out
+    of `fit()`, `evaluate()` or `predict()`, exits, is killed, or ends its
+    script while another starts a call it never makes), every other process
+    prints which one and exits with status 1 within `timeout` seconds,
+    instead of waiting in a collective for good. See docs/scaling_out.md.
 
     Args:
         coordinator_address: `"host:port"` of process 0.
@@ -35,7 +40,9 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, ti
     Raises:
         ValueError: for a bad argument or variable, or on TensorFlow's backend
             (`tf.distribute.MultiWorkerMirroredStrategy` reads `TF_CONFIG`).
-        RuntimeError: when this process could not join within `timeout`.
+        RuntimeError: when this process could not reach the coordinator
+            within `timeout`, or another process on this machine joined the
+            run with the same process id.
 
     Example:
 

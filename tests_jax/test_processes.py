@@ -374,6 +374,79 @@ def test_processes_running_different_programs_are_named_before_the_first_step(tm
         ) in _log(tmp_path, index)
 
 
+@pytest.mark.processes
+def test_a_process_that_ends_its_script_early_ends_every_process_naming_it(tmp_path):
+    # Before: jax's "Barrier timed out" and SIGABRT in both, after the timeout.
+    ports = launch.free_ports(2)
+    started = time.time()
+    processes = _start(tmp_path, "32,33", "--end-after-fit", "1", "--timeout", str(TIMEOUT),
+                       environments=[launch.jax_env(ports, i) for i in range(2)])
+    codes, ends = _wait(processes)
+    assert codes == [1, 1]
+    assert max(ends) - started < TIMEOUT + 15  # Python's and jax's start-up included
+    text = (
+        "keras_safe_dist: process 1: ended its script after 1 fit(), evaluate() or predict() "
+        "calls while process 0 started evaluate() (its call 2), which would wait for process 1 "
+        "in a collective for good. Every process must make the same calls, in the same order"
+    )
+    assert f"{text}. Exit status 1." in _log(tmp_path, 1)
+    assert f"{text}. Ending process 0 too (exit status 1)" in _log(tmp_path, 0)
+    assert "Barrier timed out" not in _log(tmp_path, 0) + _log(tmp_path, 1)
+
+
+_JOIN = "import keras_safe_dist; print(keras_safe_dist.initialize(timeout=10), flush=True)"
+
+
+def _join(environments):
+    """Processes that only join; `(exit codes, outputs, seconds)`."""
+    started = time.monotonic()
+    processes = [
+        subprocess.Popen([sys.executable, "-c", _JOIN], env=_env(extra), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for extra in environments
+    ]
+    outputs = []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=HARD)[0])
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            outputs.append(process.communicate()[0])
+    return [p.returncode for p in processes], outputs, time.monotonic() - started
+
+
+@pytest.mark.processes
+def test_a_process_count_above_the_processes_started_is_named_within_the_timeout():
+    # Before: jax's "RegisterTask" check failure and SIGABRT.
+    ports = launch.free_ports(2)
+    codes, outputs, seconds = _join([launch.jax_env(ports, 0)])
+    assert codes == [1]
+    assert seconds < 10 + 15  # the timeout, and Python's start-up
+    assert (
+        f"keras_safe_dist: process 0 could not join the run at '127.0.0.1:{ports[0]}' within 10 s: "
+        "not all of its 2 processes registered. Start exactly 2 processes "
+        "(KERAS_DISTRIBUTION_NUM_PROCESSES), each with its own process id from 0 to 1"
+    ) in outputs[0]
+    assert "Check failure" not in outputs[0]
+
+
+@pytest.mark.processes
+def test_two_processes_with_one_process_id_on_a_machine_are_named():
+    # Before: jax's "RegisterTask" check failure and SIGABRT in every process.
+    ports = launch.free_ports(2)
+    environments = [launch.jax_env(ports, 0), launch.jax_env(ports, 1), launch.jax_env(ports, 1)]
+    codes, outputs, _ = _join(environments)
+    # The first of the two to start joins; the other is refused at once.
+    assert codes[0] == 0 and sorted(codes[1:]) == [0, 1], outputs
+    refused = outputs[1 + codes[1:].index(1)]
+    assert (
+        f"RuntimeError: Another process on this machine already joined the run at "
+        f"'127.0.0.1:{ports[0]}' as process_id=1 of 2. Every process needs a process id of its "
+        "own"
+    ) in refused
+    assert "(0, 2)" in outputs[0]
+
+
 def test_a_coordinator_port_held_by_another_program_is_named():
     import keras_safe_dist
 

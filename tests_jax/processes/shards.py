@@ -31,6 +31,7 @@ parser.add_argument("--nan", default="", help="PROCESS:ROW: a NaN in that row of
 parser.add_argument("--backup", default="", help="train with MultiWorkerBackupAndRestore in this folder")
 parser.add_argument("--timeout", type=int, default=60, help="keras_safe_dist.initialize's bound")
 parser.add_argument("--epochs-on", default="", help="PROCESS:EPOCHS: that process fits for that many epochs")
+parser.add_argument("--end-after-fit", type=int, default=-1, help="that process ends its script after fit()")
 args = parser.parse_args()
 SIZES = [int(n) for n in args.sizes.split(",")]
 BATCH = 8
@@ -181,6 +182,9 @@ def train(shards):
         model.fit(Batches(x, y, w), epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
     else:
         model.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
+    if args.end_after_fit == process:
+        print(f"process {process} ends after fit()", flush=True)
+        return
     loss, mae = model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
     np.savez(

@@ -21,6 +21,15 @@ shutdown barrier, where it would wait for peers that are ending. When the
 exception came from a collective whose peer is gone (killed, exited), the
 failure names the process that stopped beating, not this one.
 
+A process that ends its script normally waits there, at most `timeout`
+seconds, for the others to end theirs (`_ENDED`): jax's shutdown barrier
+would otherwise abort it ("Barrier timed out") while another process still
+works. Each process counts the `fit()`, `evaluate()` and `predict()` calls it
+starts (`_CALLS`, see `entering`); when another process starts a call this
+one, having ended, will never make, that call would wait for it in a
+collective for good: this process writes the failure, naming both, and
+exits with status 1, and the other ends on reading it.
+
 What this does not cover: process 0 killed takes the store with it, and jax
 itself ends every other process within about 0.1 s, naming the coordinator
 ("the leader task"); a process killed with SIGKILL is noticed by the others
@@ -39,16 +48,25 @@ from keras_safe_dist.backend.jax import _compat as _jax_compat
 
 _FAILED = "keras_safe_dist/failed"
 _ALIVE = "keras_safe_dist/alive/"
+_CALLS = "keras_safe_dist/calls/"  # "<calls started> <the last one's name>"
+_ENDED = "keras_safe_dist/ended/"  # the calls a process had started when its script ended
 _BEAT = 1.0  # seconds between beats, and between reads of the failure key
 _SILENT = 5.0  # seconds without a beat after which a process counts as gone
 
-_state = {"thread": None, "failed_here": False, "stop": threading.Event()}
+_state = {
+    "thread": None,
+    "failed_here": False,
+    "stop": threading.Event(),
+    "calls": 0,
+    "timeout": 60.0,
+}
 
 
 def start(timeout):
     """Starts the watchdog thread (once per process); installs the exit hooks."""
     if _state["thread"] is not None or jax.process_count() == 1:
         return
+    _state["timeout"] = float(timeout)
     thread = threading.Thread(target=_watch, name="keras_safe_dist watchdog", daemon=True)
     _state["thread"] = thread
     previous = sys.excepthook
@@ -87,6 +105,17 @@ def report_failure(error):
         _end_if_another_failed(client, process)  # another process wrote it first
     if culprit is not None:
         _end(text, process)
+
+
+def entering(where):
+    """Tells the other processes that this one starts its next `where()` call (`"fit"`, ...)."""
+    client = _jax_compat.coordination_client()
+    if client is None or _state["thread"] is None:
+        return
+    _state["calls"] += 1
+    client.key_value_set(
+        f"{_CALLS}{jax.process_index()}", f"{_state['calls']} {where}", allow_overwrite=True
+    )
 
 
 def _end_if_another_failed(client, process):
@@ -131,14 +160,79 @@ def _outlive_others(process, limit=3.0):
 
 
 def _at_exit():
-    """A failed process exits now; otherwise the watchdog stops before jax closes the store."""
+    """A failed process exits now; otherwise it waits for the others to end, then the watchdog stops.
+
+    The watchdog stops before jax closes the store.
+    """
+    process = jax.process_index()
+    if not _state["failed_here"]:
+        client = _jax_compat.coordination_client()
+        text = _others_ended(client, process, _state["timeout"])
+        if text is not None:
+            _state["failed_here"] = True
+            print(f"keras_safe_dist: {text}. Exit status 1.", file=sys.stderr, flush=True)
     if _state["failed_here"]:
         sys.stdout.flush()
         sys.stderr.flush()
-        _outlive_others(jax.process_index())
+        _outlive_others(process)
         os._exit(1)
     _state["stop"].set()
     _state["thread"].join(timeout=2 * _BEAT)
+
+
+def _others_ended(client, process, timeout):
+    """Waits (at most `timeout` s) for every other process to end its script.
+
+    Returns:
+        None once they all did, or the failure: another process started a
+        call this one never makes (written for every process to read), or
+        the bound passed.
+    """
+    calls = _state["calls"]
+    try:
+        client.key_value_set(f"{_ENDED}{process}", str(calls), allow_overwrite=True)
+    except Exception:
+        return None  # the store is gone: jax ends the run itself
+    waiting = [p for p in range(jax.process_count()) if p != process]
+    deadline = time.monotonic() + timeout
+    while waiting:
+        for other in list(waiting):
+            if _read(client, f"{_ENDED}{other}") is not None:
+                waiting.remove(other)
+                continue
+            started = (_read(client, f"{_CALLS}{other}") or "0 -").split()
+            if int(started[0]) > calls:
+                text = (
+                    f"process {process}: ended its script after {calls} fit(), evaluate() or "
+                    f"predict() calls while process {other} started {started[1]}() (its call "
+                    f"{started[0]}), which would wait for process {process} in a collective "
+                    "for good. Every process must make the same calls, in the same order"
+                )
+                try:
+                    client.key_value_set(_FAILED, text)
+                except Exception:
+                    pass  # another failure was written first: it ends the others
+                return text
+        if _read(client, _FAILED) is not None:
+            return None  # another process failed: the watchdog ends this one
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(str(p) for p in waiting)
+            return (
+                f"process {process}: ended its script and waited {timeout:.0f} s for process "
+                f"{names} to end theirs; jax's shutdown would abort this process (\"Barrier "
+                "timed out\"). Every process must end its script within initialize()'s "
+                "`timeout` of the others: give keras_safe_dist.initialize(timeout=...) more "
+                "seconds where one process works on alone at the end (saving files, say)"
+            )
+        time.sleep(0.1)
+    return None
+
+
+def _read(client, key):
+    try:
+        return client.key_value_try_get(key)
+    except Exception:
+        return None
 
 
 def _watch():

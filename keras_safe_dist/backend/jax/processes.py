@@ -9,10 +9,13 @@ starts the watchdog (`_watchdog.py`) that ends this process when another one
 fails.
 """
 
+import atexit
 import errno
 import os
 import socket
 import sys
+import tempfile
+import threading
 import time
 import zlib
 
@@ -21,6 +24,7 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_safe_dist import _lock
 from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax import _watchdog
 
@@ -28,6 +32,8 @@ from keras_safe_dist.backend.jax import _watchdog
 ADDRESSES = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 COUNT = "KERAS_DISTRIBUTION_NUM_PROCESSES"
 INDEX = "KERAS_DISTRIBUTION_PROCESS_ID"
+# jax's own bound on joining, beyond ours: its C++ abort must never come first.
+_JAX_GRACE = 30
 
 
 def initialize(coordinator_address=None, num_processes=None, process_id=None, timeout=60):
@@ -47,6 +53,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, ti
             f"`process_id` must be in [0, num_processes - 1] = [0, {num_processes - 1}]. "
             f"Received: process_id={process_id}, num_processes={num_processes}"
         )
+    _claim_process_id(coordinator_address, process_id, num_processes)
     if coordinator_address and process_id:
         _wait_for_coordinator(coordinator_address, process_id, timeout)
     elif coordinator_address and process_id == 0:
@@ -69,12 +76,13 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, ti
     # Keras's fit() does not: a SIGTERM would be lost. Off, SIGTERM ends the
     # process, and the watchdog ends the others naming it.
     jax.config.update("jax_enable_preemption_service", False)
+    joined = _bounded_join(coordinator_address, num_processes, process_id, timeout)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,
             num_processes=num_processes,
             process_id=process_id,
-            initialization_timeout=timeout,
+            initialization_timeout=timeout + _JAX_GRACE,
             heartbeat_timeout_seconds=timeout,
             shutdown_timeout_seconds=timeout,
         )
@@ -86,9 +94,84 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, ti
             "and process count, each with its own process_id, and that process 0 "
             f"(the coordinator) is running. jax said: {error}"
         ) from error
+    finally:
+        joined.set()
     _jax_compat.initialize_rng()
     _watchdog.start(timeout)
     return jax.process_index(), jax.process_count()
+
+
+def _claim_process_id(address, process_id, num_processes):
+    """Refuses a second process of one run with one process id on this machine.
+
+    Each process holds a lock named after the run's coordinator address and
+    its process id (in the temporary folder, dropped when the process ends).
+    jax would make both wait, then abort every process from C++.
+    """
+    if not address or process_id is None:
+        return
+    folder = os.path.join(
+        tempfile.gettempdir(),
+        f"keras_safe_dist-run-{zlib.crc32(address.encode()):08x}-process-{process_id}",
+    )
+    try:
+        os.makedirs(folder, exist_ok=True)
+        path = _lock.acquire(folder, "keras_safe_dist.initialize()")
+    except _lock.FolderInUse:
+        count = "" if num_processes is None else f" of {num_processes}"
+        raise RuntimeError(
+            f"Another process on this machine already joined the run at {address!r} as "
+            f"process_id={process_id}{count}. Every process needs a process id of its own, "
+            f"from 0 to the process count - 1 ({INDEX}): start this one with the id no "
+            "other process has, or with `keras-safe-dist launch`, which numbers them."
+        ) from None
+    except OSError:
+        return  # no lock where the temporary folder allows none: jax's bound applies
+    atexit.register(_release_claim, path)
+
+
+def _release_claim(path):
+    """Leaves nothing behind in the temporary folder (the lock drops with the process anyway)."""
+    _lock.release(path)
+    try:
+        os.rmdir(os.path.dirname(path))
+    except OSError:
+        pass  # another process of this id took it meanwhile, or it is gone
+
+
+def _bounded_join(address, num_processes, process_id, timeout):
+    """Ends this process, naming the cause, if jax has not joined every process in `timeout` s.
+
+    jax's `initialize` waits in C++ for every process to register and then
+    aborts the process (a check failure, no Python exception): a process
+    count above the processes started, or a process id that another process
+    took, ends so. No Python exception can interrupt that wait: a thread
+    prints the reason and exits with status 1 first (jax's own bound is
+    `_JAX_GRACE` s later).
+
+    Returns:
+        The event to set once jax joined (or raised).
+    """
+    joined = threading.Event()
+
+    def watch():
+        if joined.wait(timeout):
+            return
+        print(
+            f"keras_safe_dist: process {process_id} could not join the run at {address!r} "
+            f"within {timeout} s: not all of its {num_processes} processes registered. Start "
+            f"exactly {num_processes} processes ({COUNT}), each with its own process id from "
+            f"0 to {(num_processes or 1) - 1} ({INDEX}) and the same coordinator address: a "
+            "process count above the processes started, or two processes with one process "
+            "id (on different machines), end so. Exit status 1.",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="keras_safe_dist join bound", daemon=True).start()
+    return joined
 
 
 def _wait_for_coordinator(address, process_id, timeout):
@@ -240,6 +323,8 @@ def check_same_call(where, model, epochs=0):
     """
     if jax.process_count() == 1:
         return
+    # Counted for a process that ends its script early (see `_watchdog`).
+    _watchdog.entering(where)
     variables = list(model.trainable_variables)
     shapes = "|".join(f"{v.path}:{tuple(v.shape)}" for v in variables)
     mine = [
