@@ -215,3 +215,50 @@ def test_a_variable_keeps_its_creation_layout_and_the_fresh_one_is_the_new_distr
     fresh = _jax_compat.fresh_variable_layout(narrow, variable)
     assert fresh.device_mesh is narrow.device_mesh
     assert variable._layout.device_mesh is wide.device_mesh  # unchanged
+
+
+def _sharded_dense_distribution():
+    import jax
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), jax.devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["dense.*kernel"] = (None, "model")
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum"])
+def test_keras_names_each_optimizer_slot_after_its_variable(optimizer):
+    # optimizer_slot_references reads Keras's `add_variable_from_reference` names.
+    with _sharded_dense_distribution().scope():
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(6, name="dense_a")(inputs))
+        built = (
+            keras.optimizers.Adam() if optimizer == "adam" else keras.optimizers.SGD(momentum=0.9)
+        )
+        built.build(model.trainable_variables)
+    references = _jax_compat.optimizer_slot_references(built, model.trainable_variables)
+    slots = [v for v in built.variables if id(v) in references]
+    per_variable = 2 if optimizer == "adam" else 1
+    assert len(slots) == per_variable * len(model.trainable_variables)
+    kernel = model.trainable_variables[0]
+    assert all(references[id(s)] is kernel for s in slots if tuple(s.shape) == (4, 6))
+    # ...and lays each out like its variable (what the references stand for).
+    for slot in slots:
+        assert slot.value.sharding.spec == references[id(slot)].value.sharding.spec
+
+
+def test_a_variable_like_another_is_laid_out_as_it_is_from_creation():
+    import jax
+
+    with _sharded_dense_distribution().scope():
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(6, name="dense_a")(inputs))
+        kernel = model.trainable_variables[0]
+        zeros = _jax_compat.variable_like(kernel, "zeros_like_kernel", "float32")
+        copy = _jax_compat.variable_like(kernel, "copy_of_kernel", "float32", value=kernel.value)
+    assert kernel.value.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    for made in (zeros, copy):
+        assert made.value.sharding.spec == kernel.value.sharding.spec
+        assert made._layout is kernel._layout  # later assignments are placed there too
+    np.testing.assert_array_equal(np.asarray(zeros.value), np.zeros((4, 6)))
+    np.testing.assert_array_equal(np.asarray(copy.value), np.asarray(kernel.value))

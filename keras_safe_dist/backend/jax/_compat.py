@@ -8,6 +8,7 @@ a Keras release that renames or changes one fails that test loudly.
 import contextlib
 
 import jax
+import keras
 from keras.src.backend.jax import distribution_lib as _keras_jax_distribution_lib
 from keras.src.backend.jax import trainer as _keras_jax_trainer
 from keras.src.distribution import TensorLayout
@@ -184,3 +185,40 @@ def fresh_variable_layout(distribution, variable):
         return distribution.get_variable_layout(variable)
     finally:
         variable._layout = saved
+
+
+def variable_like(source, name, dtype, value=None):
+    """A new `keras.Variable` laid out as `source` is: its shape, `source`'s layout.
+
+    As Keras's optimizers create their slots (`add_variable_from_reference`
+    passes the reference's `_layout`): under `ModelParallel` the new variable
+    is sharded as `source` is from the start, never a full copy on each
+    device. `value` (an array laid out like `source`), else zeros.
+    """
+    layout = getattr(source, "_layout", None)
+    if value is not None:
+        # Placed with `layout` as given (no copy where it is laid out so already).
+        return keras.Variable(value, dtype=dtype, trainable=False, name=name, layout=layout)
+    return keras.Variable(
+        initializer="zeros", shape=source.shape, dtype=dtype, trainable=False, name=name,
+        layout=layout,
+    )
+
+
+def optimizer_slot_references(optimizer, variables):
+    """`{id(slot): variable}` for the optimizer's variables made from one of `variables`.
+
+    Keras names a slot `<variable path with '/' as '_'>_<slot name>`
+    (`add_variable_from_reference`) and gives it the variable's layout.
+    Slots named otherwise (a custom optimizer's) are not in the result.
+    """
+    prefixes = sorted(
+        ((v.path.replace("/", "_") + "_", v) for v in variables), key=lambda item: -len(item[0])
+    )
+    references = {}
+    for slot in optimizer.variables:
+        for prefix, variable in prefixes:
+            if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(variable.shape):
+                references[id(slot)] = variable
+                break
+    return references

@@ -20,6 +20,7 @@ from keras_safe_dist import _compat
 from keras_safe_dist import _loss
 from keras_safe_dist import _stats
 from keras_safe_dist import statistics
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax.nan_watch import OnsetWatch
 
 __all__ = ["JAXUpdateEngine"]
@@ -53,14 +54,14 @@ class JAXUpdateEngine:
         trainable = model.trainable_variables
         self.sums = []
         if self.steps > 1:
+            # Laid out as their variables are (sharded under ModelParallel):
+            # one sharded copy of the gradient, never a full one per device.
             self.sums = [
-                keras.Variable(
-                    ops.zeros(v.shape, _accumulator_dtype(v.dtype)),
-                    trainable=False,
-                    name=f"safe_dist_sum_{i}",
-                )
+                _jax_compat.variable_like(v, f"safe_dist_sum_{i}", _accumulator_dtype(v.dtype))
                 for i, v in enumerate(trainable)
             ]
+        # Each per-variable state of ours -> the variable it is laid out like.
+        self.laid_out_like = {id(s): v for s, v in zip(self.sums, trainable)}
         # The pending group's totals: none without accumulation (one fewer
         # array through each step).
         self.totals = None
@@ -78,7 +79,11 @@ class JAXUpdateEngine:
         if nan_request is not None:
             self.watch = OnsetWatch(model, nan_request, self.loss_scale is not None)
         self.state_variables = self.variables + (self.watch.variables if self.watch else [])
+        if self.watch is not None:
+            self.laid_out_like.update(self.watch.laid_out_like)
         self._flush_function = jax.jit(self._flush_values, static_argnums=3)
+        # Weights a distribution shards (ModelParallel): see `_update`.
+        self.sharded_weights = any(_is_sharded(v.value) for v in trainable)
 
     def stale(self, nan_request=None):
         """Whether the model's options, optimizer or NaN detector changed since this engine was built."""
@@ -312,18 +317,29 @@ class JAXUpdateEngine:
             keep = finite if skips else jnp.ones((), bool)
             if hold is not None:
                 keep = keep & ~hold
-            # The update is computed whatever `finite` says, then selected
-            # element-wise: XLA fuses the select into the update's own loop,
-            # where a lax.cond copies the weights and optimizer state in and
-            # out of its branches and blocks that fusion. XLA's cost analysis
-            # of the MLP 64-256-256-10 step on 2 CPU devices: 6.15 MB accessed
-            # with the cond, 4.46 MB with the select, stock Keras 3.44 MB.
-            updated = apply((trainable, optimizer_values))
-            trainable, optimizer_values = jax.tree_util.tree_map(
-                lambda new, old: jnp.where(keep, new, old),
-                updated,
-                (list(trainable), list(optimizer_values)),
-            )
+            state = (list(trainable), list(optimizer_values))
+            if self.sharded_weights:
+                # Under ModelParallel the update runs in one branch of a
+                # lax.cond: selecting element-wise would keep the old and the
+                # new sharded state alive together and pass over it once
+                # more (benchmarks/bench_model_parallel.py's MLP on a (1, 2)
+                # mesh of CPU devices: 1.35 of stock's step with the select,
+                # 1.12 with the cond).
+                trainable, optimizer_values = jax.lax.cond(
+                    keep, apply, lambda operands: operands, state
+                )
+            else:
+                # The update is computed whatever `finite` says, then
+                # selected element-wise: XLA fuses the select into the
+                # update's own loop, where a lax.cond copies the weights and
+                # optimizer state in and out of its branches and blocks that
+                # fusion. XLA's cost analysis of the MLP 64-256-256-10 step on
+                # 2 CPU devices: 6.15 MB accessed with the cond, 4.46 MB with
+                # the select, stock Keras 3.44 MB.
+                updated = apply(state)
+                trainable, optimizer_values = jax.tree_util.tree_map(
+                    lambda new, old: jnp.where(keep, new, old), updated, state
+                )
             applied = keep.astype("float32") if skips else jnp.ones((), "float32")
         else:
             trainable, optimizer_values = apply((trainable, optimizer_values))
@@ -396,17 +412,23 @@ _RESET_EPOCH = jax.jit(lambda stats: stats * np.asarray(_stats.KEPT_ACROSS_EPOCH
 
 
 def _global_norm(tensors):
-    """The global norm in float32 or wider, so a float16 gradient's norm cannot overflow."""
-    # A matrix's squares are summed as a dot of its transpose with itself: a
-    # Dense kernel's gradient comes out of its matmul transposed in memory,
-    # and XLA (CPU) copied it into place before a sum of squares (a copy per
-    # kernel, then the sum split in several kernels). MLP 64-256-256-10 step
-    # on 2 CPU devices: 4.46 MB accessed with sum(square), 3.81 MB with this.
+    """The global norm in float32 or wider, so a float16 gradient's norm cannot overflow.
+
+    A plain sum of squares per tensor, as optax's `global_norm`: XLA sums a
+    sharded gradient shard by shard and adds the partial sums across devices.
+    (A matrix's squares summed as `vdot(t.T, t.T)` saved a copy on one CPU
+    device, but under `ModelParallel` the transpose of a sharded gradient
+    made the MLP 256-1024-1024-256's step 2.7 times stock's on 2 CPU devices.)
+    """
     wide = [t.astype(jnp.promote_types(t.dtype, jnp.float32)) for t in tensors]
-    squares = [
-        jnp.vdot(t.T, t.T) if t.ndim == 2 else jnp.sum(jnp.square(t)) for t in wide
-    ]
+    squares = [jnp.sum(jnp.square(t)) for t in wide]
     return jnp.sqrt(sum(squares)) if squares else jnp.zeros((), "float32")
+
+
+def _is_sharded(value):
+    """Whether `value` is split across devices (not replicated, nor on one device)."""
+    spec = getattr(getattr(value, "sharding", None), "spec", None)
+    return spec is not None and any(axis is not None for axis in spec)
 
 
 def _accumulator_dtype(dtype):

@@ -117,14 +117,17 @@ class OnsetWatch:
             name="safe_dist_nan_history",
         )
         self.snapshot = []
+        sources = []
         if request.action == "restore":
+            # Laid out as the variables they copy (sharded under ModelParallel).
             sources = list(model.trainable_variables) + list(model.optimizer.variables)
             self.snapshot = [
-                keras.Variable(
-                    jnp.copy(v.value), trainable=False, dtype=v.dtype, name=f"safe_dist_nan_copy_{i}"
+                _jax_compat.variable_like(
+                    v, f"safe_dist_nan_copy_{i}", v.dtype, value=jnp.copy(v.value)
                 )
                 for i, v in enumerate(sources)
             ]
+        self.laid_out_like = {id(c): v for c, v in zip(self.snapshot, sources)}
         self.variables = [self.counts, self.history, *self.snapshot]
         self.batches = collections.deque(maxlen=2 * request.check_every + self.steps)
         self.pulled = 0

@@ -176,12 +176,14 @@ class JAXTrainer(_compat.EpochEndOverride):
         self._stats_logged = self._stats_requested
         if not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
+        # Variables created before the distribution was set: on it, once;
+        # then the engine's own, laid out as those variables are.
+        variable_layout.laid_out(self)
         if engine is None or engine.stale(self._nan_probe_request):
             if engine is not None:
                 engine.flush()
             self._update_engine = JAXUpdateEngine(self, self._nan_probe_request)
-        # Variables created before the distribution was set: on it, once.
-        variable_layout.laid_out(self)
+            variable_layout.laid_out(self)
         super().make_train_function(force=True)
         watch = self._update_engine.watch
         if watch is not None:

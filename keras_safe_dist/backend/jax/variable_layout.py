@@ -52,7 +52,7 @@ def layout_findings(model):
     if distribution is None:
         return []
     variables = _variables(model)
-    wrong = _misplaced_variables(distribution, variables)
+    wrong = _misplaced_variables(distribution, variables, _references(model))
     if not wrong:
         return []
     if _is_safe_distributed(model):
@@ -95,7 +95,7 @@ def laid_out(model):
     if distribution is None:
         return
     variables = _variables(model)
-    wrong = _misplaced_variables(distribution, variables)
+    wrong = _misplaced_variables(distribution, variables, _references(model))
     if not wrong:
         return
     summary = _summary(distribution, wrong, variables)
@@ -124,11 +124,38 @@ def _variables(model):
     return list(variables.values())
 
 
-def _misplaced_variables(distribution, variables):
+def _references(model):
+    """`{id(variable): the variable it is laid out like}`.
+
+    An optimizer's slots (Adam's moments) and the update engine's
+    per-variable state (accumulators, the NaN detector's copies) take their
+    variable's layout, not one of their own path's: under `ModelParallel`
+    they are sharded as the variable is.
+    """
+    references = {}
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        references.update(
+            _jax_compat.optimizer_slot_references(optimizer, model.trainable_variables)
+        )
+    engine = getattr(model, "_update_engine", None)
+    if engine is not None:
+        references.update(engine.laid_out_like)
+    return references
+
+
+def _expected_layout(distribution, variable, references):
+    # A copy of an optimizer slot follows the slot, which follows its weight.
+    while id(variable) in references:
+        variable = references[id(variable)]
+    return _jax_compat.fresh_variable_layout(distribution, variable)
+
+
+def _misplaced_variables(distribution, variables, references):
     """`(variable, layout, problem)` for each variable not laid out as `distribution` says."""
     wrong = []
     for variable in variables:
-        layout = _jax_compat.fresh_variable_layout(distribution, variable)
+        layout = _expected_layout(distribution, variable, references)
         problem = misplaced(variable.value, getattr(layout, "backend_layout", layout))
         if problem:
             wrong.append((variable, layout, problem))
