@@ -142,6 +142,31 @@ def test_a_nan_onset_is_found_and_restored_with_sharded_weights(tmp_path):
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
+def test_the_callbacks_raise_no_false_alarm_under_model_parallel(tmp_path, capsys):
+    from keras_safe_dist import callbacks
+    from keras_safe_dist import cli
+
+    keras.distribution.set_distribution(_distribution((1, 2)))
+    x, y = _data()
+    log_dir = str(tmp_path)
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2, log_update_stats=True)
+    detector = callbacks.NaNOnsetDetector(log_dir=log_dir, action="restore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no audit warns, no JAX002
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[
+            callbacks.ScopeAudit(log_dir=log_dir),
+            callbacks.AggregationAudit(log_dir=log_dir),
+            callbacks.TrainingModeAudit(log_dir=log_dir),
+            callbacks.Dashboard(log_dir),
+            detector,
+        ])
+    assert detector.report is None
+    assert cli.main(["report", log_dir]) == 0  # no warning or error finding
+    out = capsys.readouterr().out
+    assert "Findings (0 error, 0 warning, 1 info)" in out  # the info: JAX001, what ran
+    assert "| JAX002 |" not in out and "| NAN001 |" not in out
+
+
 def test_audit_names_a_weight_the_layout_map_lays_out_otherwise():
     keras.distribution.set_distribution(_distribution((1, 2)))
     model = _mlp(SafeDistributedModel)
