@@ -447,6 +447,62 @@ def test_two_processes_with_one_process_id_on_a_machine_are_named():
     assert "(0, 2)" in outputs[0]
 
 
+MODEL_PARALLEL = os.path.join(os.path.dirname(__file__), "processes", "model_parallel.py")
+
+
+def _model_parallel(out, mesh):
+    ports = launch.free_ports(2)
+    processes = []
+    for index in range(2):
+        extra = dict(launch.jax_env(ports, index), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        log = open(os.path.join(out, f"log_{index}.txt"), "wb")
+        processes.append(subprocess.Popen(
+            [sys.executable, MODEL_PARALLEL, str(out), mesh], env=_env(extra), stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        ))
+    codes, _ = _wait(processes)
+    return codes, [_log(out, i) for i in range(2)]
+
+
+@pytest.mark.processes
+def test_model_parallel_over_two_processes_is_exact_with_sharded_accumulators(tmp_path):
+    sys.path.insert(0, os.path.dirname(MODEL_PARALLEL))
+    import keras
+    import model_parallel as worker
+
+    # The batch axis over the 2 processes, the model axis over each one's 2 devices.
+    codes, logs = _model_parallel(tmp_path, "2,2")
+    assert codes == [0, 0], logs
+    # Stock Keras on one device, one update per 2 global batches of 8 + 8 rows
+    # (each step: process 0's 8 rows, then process 1's).
+    x, y = worker.data()
+    stock = worker.build(keras.Model)
+    stock.compile(optimizer=keras.optimizers.Adam(1e-2, global_clipnorm=worker.CLIP), loss="mse")
+    rows = [np.arange(p * 32, (p + 1) * 32).reshape(4, 8) for p in range(2)]
+    for _ in range(worker.EPOCHS):
+        for group in range(2):
+            update = np.concatenate([rows[p][2 * group + k] for k in range(2) for p in range(2)])
+            stock.train_on_batch(x[update], y[update])
+    reference = np.concatenate([w.ravel() for w in stock.get_weights()])
+    for index in range(2):
+        saved = np.load(tmp_path / f"process_{index}.npz")
+        trained = np.concatenate([saved[f"arr_{i}"].ravel() for i in range(4)])
+        assert np.linalg.norm(trained - reference) / np.linalg.norm(reference) < 1e-5
+        assert saved["laid_out"].tolist() == [True] * 4
+
+
+@pytest.mark.processes
+def test_a_mesh_whose_batch_axis_misses_a_process_is_named(tmp_path):
+    # Before: ZeroDivisionError inside the data placement.
+    codes, logs = _model_parallel(tmp_path, "1,4")
+    assert codes == [1, 1]
+    assert (
+        "ValueError: The distribution splits the batch into 1 part(s) over 2 processes: "
+        "processes would share a part of the batch, and each passes its own rows. Lay the "
+        "batch axis of the device mesh over every process"
+    ) in logs[0] + logs[1]
+
+
 def test_a_coordinator_port_held_by_another_program_is_named():
     import keras_safe_dist
 

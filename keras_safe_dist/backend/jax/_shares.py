@@ -257,6 +257,15 @@ def _global_batch(batch, sizes, distribution):
 
 def _global_leaf(leaf, layout, sizes):
     per_process = _parts(layout) // jax.process_count()
+    if per_process == 0:
+        raise ValueError(
+            f"The distribution splits the batch into {_parts(layout)} part(s) over "
+            f"{jax.process_count()} processes: processes would share a part of the batch, "
+            "and each passes its own rows. Lay the batch axis of the device mesh over "
+            "every process: e.g. DeviceMesh((processes, devices_per_process), "
+            "('batch', 'model')) for ModelParallel, so that each process holds its own "
+            f"part. Received: a data layout {layout.spec} on a mesh {dict(layout.mesh.shape)}."
+        )
     if len(set(sizes)) == 1 and sizes[0] % per_process == 0:
         return jax.make_array_from_process_local_data(layout, leaf)
     padded_size = -(-max(sizes) // per_process) * per_process
