@@ -101,7 +101,7 @@ def test_a_non_finite_update_is_skipped_with_sharded_weights(accumulation):
     safe = _mlp(SafeDistributedModel, gradient_accumulation_steps=accumulation, log_update_stats=True)
     with pytest.warns(UserWarning, match="skipped a non-finite update at epoch 0"):
         history = safe.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
-    assert safe._update_engine.sharded_weights
+    assert safe._update_engine.sharded_weights  # the branch, not the select
     assert history.history["skipped_updates"] == [1.0]
     # The same updates without the skipped one, from stock Keras.
     stock = _mlp(keras.Model)

@@ -82,8 +82,14 @@ class JAXUpdateEngine:
         if self.watch is not None:
             self.laid_out_like.update(self.watch.laid_out_like)
         self._flush_function = jax.jit(self._flush_values, static_argnums=3)
-        # Weights a distribution shards (ModelParallel): see `_update`.
-        self.sharded_weights = any(_is_sharded(v.value) for v in trainable)
+        self.sharded_weights = False  # see `read_layout`
+
+    def read_layout(self):
+        """Notes whether a distribution shards the weights (ModelParallel), before each compile.
+
+        The step's skip depends on it (see `_update`).
+        """
+        self.sharded_weights = any(_is_sharded(v.value) for v in self.model.trainable_variables)
 
     def stale(self, nan_request=None):
         """Whether the model's options, optimizer or NaN detector changed since this engine was built."""

@@ -184,6 +184,7 @@ class JAXTrainer(_compat.EpochEndOverride):
                 engine.flush()
             self._update_engine = JAXUpdateEngine(self, self._nan_probe_request)
             variable_layout.laid_out(self)
+        self._update_engine.read_layout()
         super().make_train_function(force=True)
         watch = self._update_engine.watch
         if watch is not None:
