@@ -9,12 +9,10 @@ starts the watchdog (`_watchdog.py`) that ends this process when another one
 fails.
 """
 
-import atexit
 import errno
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -24,7 +22,6 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_safe_dist import _lock
 from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax import _watchdog
 
@@ -104,20 +101,23 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, ti
 def _claim_process_id(address, process_id, num_processes):
     """Refuses a second process of one run with one process id on this machine.
 
-    Each process holds a lock named after the run's coordinator address and
-    its process id (in the temporary folder, dropped when the process ends).
-    jax would make both wait, then abort every process from C++.
+    Each process binds a Unix socket in Linux's abstract namespace, named
+    after the run's coordinator address and its process id: the kernel
+    refuses a second bind of the name and drops it when the process ends,
+    however it ends, and nothing is written to disk. jax would make both
+    processes wait, then abort every process from C++. Elsewhere than on
+    Linux, jax's bound applies (see `_bounded_join`).
     """
-    if not address or process_id is None:
+    if not address or process_id is None or not sys.platform.startswith("linux"):
         return
-    folder = os.path.join(
-        tempfile.gettempdir(),
-        f"keras_safe_dist-run-{zlib.crc32(address.encode()):08x}-process-{process_id}",
-    )
+    name = f"\0keras_safe_dist-run-{zlib.crc32(address.encode()):08x}-process-{process_id}"
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        os.makedirs(folder, exist_ok=True)
-        path = _lock.acquire(folder, "keras_safe_dist.initialize()")
-    except _lock.FolderInUse:
+        claim.bind(name)
+    except OSError as error:
+        claim.close()
+        if error.errno != errno.EADDRINUSE:
+            return
         count = "" if num_processes is None else f" of {num_processes}"
         raise RuntimeError(
             f"Another process on this machine already joined the run at {address!r} as "
@@ -125,18 +125,10 @@ def _claim_process_id(address, process_id, num_processes):
             f"from 0 to the process count - 1 ({INDEX}): start this one with the id no "
             "other process has, or with `keras-safe-dist launch`, which numbers them."
         ) from None
-    except OSError:
-        return  # no lock where the temporary folder allows none: jax's bound applies
-    atexit.register(_release_claim, path)
+    _CLAIMS.append(claim)  # held until this process ends
 
 
-def _release_claim(path):
-    """Leaves nothing behind in the temporary folder (the lock drops with the process anyway)."""
-    _lock.release(path)
-    try:
-        os.rmdir(os.path.dirname(path))
-    except OSError:
-        pass  # another process of this id took it meanwhile, or it is gone
+_CLAIMS = []
 
 
 def _bounded_join(address, num_processes, process_id, timeout):
