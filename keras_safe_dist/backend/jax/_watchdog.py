@@ -119,11 +119,8 @@ def entering(where):
 
 
 def _end_if_another_failed(client, process):
-    try:
-        text = client.key_value_try_get(_FAILED)
-    except Exception:
-        return
-    if not text.startswith(f"process {process}:"):
+    text = _read(client, _FAILED)
+    if text is not None and not text.startswith(f"process {process}:"):
         _end(text, process)
 
 
@@ -229,6 +226,7 @@ def _others_ended(client, process, timeout):
 
 
 def _read(client, key):
+    """The store's value under `key`, or None (not written, or the store is going)."""
     try:
         return client.key_value_try_get(key)
     except Exception:
@@ -267,13 +265,7 @@ def _silent_process(client, process):
 
 
 def _beats(client, processes):
-    beats = {}
-    for p in processes:
-        try:
-            beats[p] = client.key_value_try_get(f"{_ALIVE}{p}")
-        except Exception:
-            beats[p] = None
-    return beats
+    return {p: _read(client, f"{_ALIVE}{p}") for p in processes}
 
 
 def _first_line(error):
