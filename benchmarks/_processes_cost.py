@@ -20,7 +20,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
-from keras_safe_dist.backend.jax import _shares  # noqa: E402
+from keras_safe_dist.backend.jax import _process_batch as _shares  # noqa: E402
 
 PAIRS = int(sys.argv[1])
 STEPS = 100

@@ -1,4 +1,4 @@
-"""Cost of writing TensorBoard events: tf.summary (before) against `keras_safe_dist._events`.
+"""Cost of writing TensorBoard events: tf.summary (before) against `keras_safe_dist.report._log_dir._events`.
 
 "point": the Dashboard's per-update point, one Summary holding the four update
 statistics (descriptions with the first value of the file only), written as
@@ -16,7 +16,7 @@ the flush), as written with tf.summary and as now, one call each alternately.
 "write_report": the whole call, the JSON file too (written whole, with an
 fsync, which makes most of the time and its noise).
 
-"import": seconds to import `keras_safe_dist/_events.py` in a fresh Python
+"import": seconds to import `keras_safe_dist/report/_events.py` in a fresh Python
 process (the module file alone, as tests/test_events.py loads it).
 
 Usage:
@@ -41,13 +41,13 @@ from tensorboard.compat.proto import tensor_shape_pb2  # noqa: E402
 from tensorboard.compat.proto import types_pb2  # noqa: E402
 from tensorboard.plugins.scalar import metadata as scalar_metadata  # noqa: E402
 
-from keras_safe_dist import _events  # noqa: E402
-from keras_safe_dist import summaries  # noqa: E402
 from keras_safe_dist.findings import AuditReport  # noqa: E402
 from keras_safe_dist.findings import Finding  # noqa: E402
-from keras_safe_dist.statistics import STATISTICS  # noqa: E402
-from keras_safe_dist.statistics import UPDATE_PREFIX  # noqa: E402
-from keras_safe_dist.statistics import description  # noqa: E402
+from keras_safe_dist.report import _events  # noqa: E402
+from keras_safe_dist.report import writer as summaries  # noqa: E402
+from keras_safe_dist.update.statistics import STATISTICS  # noqa: E402
+from keras_safe_dist.update.statistics import UPDATE_PREFIX  # noqa: E402
+from keras_safe_dist.update.statistics import description  # noqa: E402
 
 from _timing import no_collection  # noqa: E402
 

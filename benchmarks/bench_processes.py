@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from keras_safe_dist import launch
+from keras_safe_dist.scale_out import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARDS = os.path.join(HERE, "..", "tests_jax", "processes", "shards.py")

@@ -1,7 +1,7 @@
 """Data-parallel training across processes with MultiWorkerMirroredStrategy.
 
 Run it directly and it starts two local workers on 127.0.0.1 through
-`keras_safe_dist.launch` (the same as `keras-safe-dist launch --workers 2
+`keras_safe_dist.scale_out.launch` (the same as `keras-safe-dist launch --workers 2
 examples/multi_worker.py`). Each worker reads its `TF_CONFIG`, creates the
 strategy before any other TensorFlow op, and trains the same
 `SafeDistributedModel` with gradient accumulation and clipping; both end with
@@ -26,7 +26,7 @@ from _quiet import native_stderr_silenced
 tf = import_tensorflow()
 
 if "TF_CONFIG" not in os.environ:
-    from keras_safe_dist.launch import launch
+    from keras_safe_dist.scale_out.launch import launch
 
     sys.exit(launch(__file__, workers=2, timeout=300))
 

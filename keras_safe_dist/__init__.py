@@ -14,8 +14,8 @@ _EXPORTS = {
     "audit": "keras_safe_dist.audits",
     "audit_train_step": "keras_safe_dist.audits",
     "callbacks": None,  # the subpackage itself
-    "initialize": "keras_safe_dist.distributed",
-    "is_chief": "keras_safe_dist.distributed",
+    "initialize": "keras_safe_dist.scale_out.distributed",
+    "is_chief": "keras_safe_dist.scale_out.distributed",
     "SafeDistributedFunctional": "keras_safe_dist.model",
     "SafeDistributedModel": "keras_safe_dist.model",
 }

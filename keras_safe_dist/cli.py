@@ -10,9 +10,9 @@ import signal
 import sys
 import time
 
-from keras_safe_dist import _json
-from keras_safe_dist import _quiet
-from keras_safe_dist import launch as launch_module
+from keras_safe_dist.core import _json
+from keras_safe_dist.core import _quiet
+from keras_safe_dist.scale_out import launch as launch_module
 
 __all__ = ["build_parser", "main"]
 

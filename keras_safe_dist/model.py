@@ -8,15 +8,31 @@ import warnings
 import keras
 
 from keras_safe_dist import _compat
-from keras_safe_dist import _lazy
-from keras_safe_dist import _progbar
-from keras_safe_dist import _validate
-from keras_safe_dist import _warnings
-from keras_safe_dist import distributed
 from keras_safe_dist import nan
-from keras_safe_dist.audits import scope as _scope
-from keras_safe_dist.backend import Trainer
+from keras_safe_dist.core import SafeModel
+from keras_safe_dist.core import _lazy
+from keras_safe_dist.core import _validate
+from keras_safe_dist.core import _warnings
+from keras_safe_dist.core import creation_site
+from keras_safe_dist.core import on_jax
 from keras_safe_dist.nan import rows as _nan_rows
+from keras_safe_dist.nan.link import DetectorLink
+from keras_safe_dist.scale_out import distributed
+from keras_safe_dist.update import _progbar
+
+# The backend's step, chosen here as Keras chooses its trainer in
+# keras/src/models/model.py: each backend's folder is imported on its backend only.
+_BACKEND = keras.backend.backend()
+if _BACKEND == "tensorflow":
+    from keras_safe_dist.backend.tensorflow.trainer import TensorFlowTrainer as Trainer
+elif _BACKEND == "jax":
+    from keras_safe_dist.backend.jax.trainer import JAXTrainer as Trainer
+else:
+    raise ImportError(
+        "keras_safe_dist trains on Keras's TensorFlow and JAX backends. "
+        f"Received: KERAS_BACKEND={_BACKEND!r}. Set KERAS_BACKEND=tensorflow "
+        "or KERAS_BACKEND=jax before importing keras."
+    )
 
 # Why an optimizer option is refused, in the terms of each backend.
 _TF_CLIPS = "clips each replica's gradient before the cross-replica all-reduce"
@@ -66,7 +82,7 @@ def _option(name):
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
-class SafeDistributedModel(Trainer, keras.Model):
+class SafeDistributedModel(Trainer, keras.Model, SafeModel):
     """A `keras.Model` whose updates stay exact under `tf.distribute`.
 
     `fit()`'s `batch_size` is the micro-batch. The model sums each micro-batch
@@ -185,11 +201,29 @@ class SafeDistributedModel(Trainer, keras.Model):
             # through that parent.
             SafeDistributedModel.__bases__ = bases
         self._set_options(options)
-        self._safe_dist_built_at = _scope.creation_site()
+        self._safe_dist_built_at = creation_site()
+
+    def _end_epoch_steps(self, logs):
+        """Applies a partial group pending at the end of an epoch; returns the logs.
+
+        The group (one of unknown length, or stopped early) is applied here,
+        before validation and the epoch-end callbacks read the weights, and
+        the epoch's update statistics join the logs when they are logged.
+        Both backends' `TrainerOverrides` call it.
+        """
+        engine = self._update_engine
+        if engine is None or not engine.end_epoch():
+            return logs
+        if self._stats_logged and isinstance(logs, dict):
+            logs = {**logs, **{k: float(v) for k, v in engine.logs().items()}}
+        return logs
 
     def _set_options(self, options):
         # Past Keras's attribute tracking, which would wrap the dict.
         self.__dict__["_safe_dist_options"] = dict(options)
+        if getattr(self, "_nan_link", None) is None:
+            # What a NaNOnsetDetector reads of this model: nothing else.
+            self._nan_link = DetectorLink()
         self._update_engine = None
         # Whether the step logs the update statistics: set by fit() from the
         # option and the callbacks; the value the train function was built with.
@@ -433,17 +467,17 @@ class SafeDistributedModel(Trainer, keras.Model):
         else:
             kwargs["callbacks"] = self._with_epoch_callback(kwargs.get("callbacks"))
         # For NaNOnsetDetector: where a bad sample is in the arrays given (references).
-        self.__dict__["_fit_arrays"] = _nan_rows.fit_arrays(args, kwargs)
+        self._nan_link.fit_arrays = _nan_rows.fit_arrays(args, kwargs)
         # For MultiWorkerBackupAndRestore: a resumed run that shuffles arrays
         # draws a new order for the remaining epochs.
         shuffle = kwargs.get("shuffle", True)
         if len(args) > _FIT_SHUFFLE_POSITION:
             shuffle = args[_FIT_SHUFFLE_POSITION]
-        self.__dict__["_fit_shuffles"] = bool(shuffle) and self._fit_arrays is not None
+        self.__dict__["_fit_shuffles"] = bool(shuffle) and self._nan_link.fit_arrays is not None
         try:
             return super().fit(*args, **kwargs)
         finally:
-            self.__dict__["_fit_arrays"] = None
+            self._nan_link.fit_arrays = None
             self.__dict__["_fit_shuffles"] = False
 
     def evaluate(self, *args, **kwargs):
@@ -593,7 +627,7 @@ class _EpochBoundary(keras.callbacks.Callback):
             self.warned
             or not model.skip_nonfinite
             or engine.loss_scale is not None
-            or model._nan_probe is not None
+            or model._nan_link.probe is not None
             or engine.watch is not None  # JAX's detector
         ):
             return
@@ -873,7 +907,7 @@ def _check_has_samples(method, x, strategy):
     samples while others do: the processes check the global batch together
     (backend/jax/_shares.py); so may a MultiWorkerMirroredStrategy worker.
     """
-    if keras.backend.backend() == "jax" and distributed.jax_process()[1] > 1:
+    if on_jax() and distributed.jax_process()[1] > 1:
         return
     if strategy is not None and distributed.worker_name(strategy) != "chief":
         # Several MultiWorkerMirroredStrategy workers: one worker's own data may

@@ -12,7 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 _SAVED_STDERR = os.dup(2)
 with open(os.devnull, "w") as _null:
     os.dup2(_null.fileno(), 2)
-try:  # as keras_safe_dist._quiet does; importing the package would load TensorFlow
+try:  # as keras_safe_dist.core._quiet does; importing the package would load TensorFlow
     import tensorflow as tf  # noqa: E402
 finally:
     os.dup2(_SAVED_STDERR, 2)

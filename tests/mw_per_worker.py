@@ -1,4 +1,4 @@
-"""A worker of the per-worker data tests (run through keras_safe_dist.launch).
+"""A worker of the per-worker data tests (run through keras_safe_dist.scale_out.launch).
 
 Each worker reads its own rows of `data(n0, n1)` (worker 0 the first n0, worker
 1 the next n1), through `distribute_datasets_from_function` ("dff") or a

@@ -1,4 +1,4 @@
-"""A worker of the multi-worker tests (run through keras_safe_dist.launch).
+"""A worker of the multi-worker tests (run through keras_safe_dist.scale_out.launch).
 
 Trains a small SafeDistributedModel under MultiWorkerMirroredStrategy on NumPy
 arrays and on a tf.data dataset, and prints `RESULT <json>` with the weights

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
-from keras_safe_dist import summaries
+from keras_safe_dist.report import writer as summaries
 
 from conftest import SumCounter
 from conftest import mirrored_strategy

@@ -13,10 +13,10 @@ from keras_safe_dist.callbacks.dashboard import DASHBOARD_TITLE
 from keras_safe_dist.callbacks.dashboard import UPDATE_TITLE
 from keras_safe_dist.report import format_text
 from keras_safe_dist.report import read_log_dir
-from keras_safe_dist.statistics import LOG_NAMES
-from keras_safe_dist.statistics import STATISTICS
-from keras_safe_dist.statistics import UPDATE_PREFIX
-from keras_safe_dist.statistics import description
+from keras_safe_dist.update.statistics import LOG_NAMES
+from keras_safe_dist.update.statistics import STATISTICS
+from keras_safe_dist.update.statistics import UPDATE_PREFIX
+from keras_safe_dist.update.statistics import description
 
 from conftest import regression_data
 from conftest import strategy_for

@@ -18,7 +18,7 @@ from tensorboard.compat.tensorflow_stub import errors as record_errors
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 from tensorboard.util import tensor_util
 
-from keras_safe_dist import _events
+from keras_safe_dist.report import _events
 
 
 def records(path):
@@ -216,7 +216,7 @@ def test_a_remote_path_goes_through_tf_io_gfile(tmp_path):
 
 
 # Run in a fresh process where `import tensorflow` fails. The module file is
-# loaded by path, under a name of its own: `import keras_safe_dist._events`
+# loaded by path, under a name of its own: `import keras_safe_dist.report._log_dir._events`
 # would first run `keras_safe_dist/__init__.py`, which imports the package's
 # exports (TensorFlow among them) unless the process is the command line.
 # `_events` imports nothing from the package, so its file loads alone.

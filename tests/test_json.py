@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from keras_safe_dist import _json
+from keras_safe_dist.core import _json
 
 from conftest import strict_json
 

@@ -13,9 +13,9 @@ import pytest
 
 from keras_safe_dist import cli
 from keras_safe_dist import is_chief
-from keras_safe_dist.launch import WorkerGroup
-from keras_safe_dist.launch import free_ports
-from keras_safe_dist.launch import tf_config
+from keras_safe_dist.scale_out.launch import WorkerGroup
+from keras_safe_dist.scale_out.launch import free_ports
+from keras_safe_dist.scale_out.launch import tf_config
 
 from conftest import strategy_for
 
@@ -264,7 +264,7 @@ def test_workers_and_their_children_end_when_the_launcher_is_killed_with_sigkill
 
 
 def test_a_worker_count_the_machine_cannot_hold_is_refused_before_binding(tmp_path, capsys, monkeypatch):
-    from keras_safe_dist import launch as launch_module
+    from keras_safe_dist.scale_out import launch as launch_module
 
     def no_binding(count):
         raise AssertionError("bound ports for a refused worker count")
@@ -283,7 +283,7 @@ def test_a_worker_count_the_machine_cannot_hold_is_refused_before_binding(tmp_pa
 def test_the_open_file_limit_bounds_the_worker_count(monkeypatch):
     import resource
 
-    from keras_safe_dist import launch as launch_module
+    from keras_safe_dist.scale_out import launch as launch_module
 
     monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 256))
     most, reason = launch_module.max_workers()
@@ -304,7 +304,7 @@ _BINDS_ITS_PORT = (
 
 @pytest.mark.parametrize("taken_twice", [False, True], ids=["once", "twice"])
 def test_a_port_taken_before_the_worker_binds_it_is_named_and_retried_once(tmp_path, capsys, monkeypatch, taken_twice):
-    from keras_safe_dist import launch as launch_module
+    from keras_safe_dist.scale_out import launch as launch_module
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -341,7 +341,7 @@ def test_a_port_taken_before_the_worker_binds_it_is_named_and_retried_once(tmp_p
 
 
 def test_the_watcher_kills_the_groups_still_listed_when_its_pipe_closes_without_done():
-    from keras_safe_dist import _reaper
+    from keras_safe_dist.scale_out import _reaper
 
     sleepers = [
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
@@ -369,7 +369,7 @@ _OWN_SERVER_FAILS = (
 
 
 def test_a_worker_that_fails_on_a_port_of_its_own_is_not_started_again(tmp_path, capsys, monkeypatch):
-    from keras_safe_dist import launch as launch_module
+    from keras_safe_dist.scale_out import launch as launch_module
 
     real = launch_module.free_ports
     chosen = []
@@ -383,7 +383,7 @@ def test_a_worker_that_fails_on_a_port_of_its_own_is_not_started_again(tmp_path,
 
 
 def test_a_bind_failure_counts_only_on_the_launchers_port():
-    from keras_safe_dist.launch import _bind_failure
+    from keras_safe_dist.scale_out.launch import _bind_failure
 
     assert _bind_failure("OSError: [Errno 98] Address already in use: 127.0.0.1:41234", 41234)
     assert not _bind_failure("OSError: [Errno 98] Address already in use: 127.0.0.1:8500", 41234)

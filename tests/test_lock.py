@@ -1,4 +1,4 @@
-"""A folder's lock (`keras_safe_dist/_lock.py`): one winner, stale and damaged files taken over."""
+"""A folder's lock (`keras_safe_dist/core/_lock.py`): one winner, stale and damaged files taken over."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from keras_safe_dist import _lock
+from keras_safe_dist.core import _lock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from keras_safe_dist import SafeDistributedModel
-from keras_safe_dist.launch import WorkerGroup
+from keras_safe_dist.scale_out.launch import WorkerGroup
 
 from conftest import relative_error
 from conftest import strategy_for

@@ -9,10 +9,10 @@ import tensorflow as tf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from keras_safe_dist import SafeDistributedModel
-from keras_safe_dist import statistics
 from keras_safe_dist.backend.tensorflow import nan_probe as _nan_probe
 from keras_safe_dist.callbacks import NaNOnsetDetector
 from keras_safe_dist.nan import flags as _nan_flags
+from keras_safe_dist.update import statistics
 
 from conftest import regression_data
 from conftest import strategy_for
@@ -446,7 +446,7 @@ def test_healthy_training_is_identical_with_and_without_detector(replicas):
         np.testing.assert_array_equal(a, b)
     # A later fit without the detector drops the checks from the step.
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert model._nan_probe is None
+    assert model._nan_link.probe is None
 
 
 def large(x):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from keras_safe_dist.nan import report as nan_report
+from keras_safe_dist.nan import onset_report as nan_report
 
 
 def onset(kind, localized=True):

@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 from keras_safe_dist.backend.tensorflow import _per_worker
-from keras_safe_dist.launch import WorkerGroup
+from keras_safe_dist.scale_out.launch import WorkerGroup
 
 from conftest import relative_error
 from conftest import strategy_for

@@ -6,9 +6,9 @@ import keras
 import numpy as np
 
 from keras_safe_dist import SafeDistributedModel
-from keras_safe_dist._progbar import ProgbarWithoutStatistics
 from keras_safe_dist.callbacks import Dashboard
-from keras_safe_dist.statistics import LOG_NAMES
+from keras_safe_dist.update._progbar import ProgbarWithoutStatistics
+from keras_safe_dist.update.statistics import LOG_NAMES
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -42,7 +42,7 @@ def test_verbose_2_prints_the_same_values(tmp_path, capsys):
 
 
 def test_a_users_own_progbar_is_left_as_it_is():
-    from keras_safe_dist import _progbar
+    from keras_safe_dist.update import _progbar
 
     own = keras.callbacks.ProgbarLogger()
     assert _progbar.for_fit([own], stats_requested=True) == []

@@ -17,10 +17,10 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
 from keras_safe_dist import cli
-from keras_safe_dist import summaries
 from keras_safe_dist.report import LogDirReport
 from keras_safe_dist.report import format_text
 from keras_safe_dist.report import read_log_dir
+from keras_safe_dist.report import writer as summaries
 
 from conftest import SumCounter
 from conftest import strategy_for

@@ -5,7 +5,7 @@ import os
 import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 
-from keras_safe_dist import summaries
+from keras_safe_dist.report import writer as summaries
 
 
 def test_writes_to_one_log_dir_share_one_event_file_in_step_order(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
-from keras_safe_dist.launch import free_ports
+from keras_safe_dist.scale_out.launch import free_ports
 
 from conftest import mirrored_strategy
 

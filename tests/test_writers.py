@@ -16,7 +16,7 @@ from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
 from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore
 from keras_safe_dist.callbacks import NaNOnsetDetector
-from keras_safe_dist.nan import report as _nan_report
+from keras_safe_dist.nan import onset_report as _nan_report
 
 from conftest import regression_data
 from conftest import strategy_for
@@ -101,7 +101,7 @@ def test_backup_with_an_unwritable_dir_fails_before_training(tmp_path):
 
 
 def test_non_chief_backup_lives_under_the_backup_dir_and_is_removed(tmp_path, monkeypatch):
-    from keras_safe_dist import distributed
+    from keras_safe_dist.scale_out import distributed
 
     model, x, y = model_and_data()
     seen = []

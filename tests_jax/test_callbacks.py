@@ -17,7 +17,7 @@ from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
 from keras_safe_dist import cli
 from keras_safe_dist.report import read_log_dir
-from keras_safe_dist.statistics import LOG_NAMES
+from keras_safe_dist.update.statistics import LOG_NAMES
 
 from conftest import regression_data
 
@@ -239,7 +239,7 @@ def test_nan_detector_stops_within_two_checks_with_the_weights_of_the_onset(devi
     assert (report["batch"], report["kind"], report["rows"]) == (7, "inputs", [2])
     # Checks before batches 3, 6, 9 and 12: the one at 12 reads the record
     # as of step 8 and stops; step 12 runs held. 2 * 3 steps after the onset.
-    assert model._update_engine.watch.read().steps == 13
+    assert model._nan_link.watch.read().steps == 13
     assert int(model.optimizer.iterations.value) == 7
     trained = model.get_weights()
     stock.set_weights(initial)

@@ -161,7 +161,7 @@ def test_batches_kept_for_the_replay_are_bounded():
     x, y, _ = regression_data(40 * 8)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
               callbacks=[NaNOnsetDetector(check_every=5)])
-    watch = model._update_engine.watch
+    watch = model._nan_link.watch
     assert len(watch.batches) == 2 * 5 + 1
     assert [step for step, _ in watch.batches] == list(range(40 - 11, 40))
     np.testing.assert_array_equal(np.asarray(watch.batches[-1][1][0]), x[-8:])

@@ -617,7 +617,7 @@ def test_with_several_processes_a_model_built_before_the_distribution_is_refused
     model = _built_before_the_distribution()
     monkeypatch.setattr(variable_layout.jax, "process_count", lambda: 2)
     with pytest.raises(ValueError) as raised:
-        variable_layout.laid_out(model)
+        variable_layout.lay_out(model)
     message = str(raised.value)
     assert message.startswith(f"SafeDistributedModel '{model.name}': 4 of ")
     assert (

@@ -136,7 +136,7 @@ def test_a_nan_onset_is_found_and_restored_with_sharded_weights(tmp_path):
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[detector])
     report = detector.report
     assert (report["batch"], report["kind"], report["rows"]) == (4, "inputs", [5])
-    copies = model._update_engine.watch.snapshot
+    copies = model._nan_link.watch.snapshot
     sources = list(model.trainable_variables) + list(model.optimizer.variables)
     assert [_spec(c) for c in copies] == [_spec(v) for v in sources]
     assert all(np.isfinite(w).all() for w in model.get_weights())

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from keras_safe_dist import launch
+from keras_safe_dist.scale_out import launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "processes", "shards.py")
 TIMEOUT = 20  # keras_safe_dist.initialize(timeout=...) in the failure tests

@@ -2,11 +2,9 @@
 
 import keras
 
-from keras_safe_dist._lazy import tensorflow as tf
 from keras_safe_dist.audits.aggregation import aggregation_findings
 from keras_safe_dist.audits.jax_backend import layout_findings
 from keras_safe_dist.audits.jax_backend import not_applicable
-from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.audits.scope import CreationWatch
 from keras_safe_dist.audits.scope import ScopeError
 from keras_safe_dist.audits.scope import check_scope
@@ -19,6 +17,8 @@ from keras_safe_dist.audits.stock import stock_findings
 from keras_safe_dist.audits.train_step import audit_train_step
 from keras_safe_dist.audits.training_mode import TrainingModeSnapshot
 from keras_safe_dist.audits.training_mode import frozen_batch_norm_findings
+from keras_safe_dist.core import on_jax
+from keras_safe_dist.core._lazy import tensorflow as tf
 from keras_safe_dist.findings import AuditReport
 
 __all__ = [

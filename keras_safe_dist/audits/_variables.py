@@ -5,8 +5,8 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_safe_dist._lazy import tensorflow as tf
-from keras_safe_dist._lazy import tensorflow_compat as _tf_compat
+from keras_safe_dist.audits._tensorflow import compat as _tf_compat
+from keras_safe_dist.core._lazy import tensorflow as tf
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Aggregation findings: variables whose cross-replica updates are combined wrongly."""
 
 
-from keras_safe_dist._lazy import tensorflow as tf
-from keras_safe_dist._lazy import tensorflow_compat as _tf_compat
 from keras_safe_dist.audits import _variables
+from keras_safe_dist.audits._tensorflow import compat as _tf_compat
+from keras_safe_dist.core._lazy import tensorflow as tf
 from keras_safe_dist.findings import Finding
 
 __all__ = ["aggregation_findings", "describe_strategy"]

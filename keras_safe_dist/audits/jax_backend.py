@@ -11,14 +11,14 @@ all-reduce, per-replica loss weighting). An audit on JAX reports, in one
 not apply, with the reason in JAX's terms. The checks that keep their meaning
 (`MODE001`, `MODE003`) run as on TensorFlow, and one has a JAX form:
 variables created before the distribution was set (`JAX002`, from
-`keras_safe_dist/backend/jax/variable_layout.py`).
+`keras_safe_dist/backend/jax/layout_audit.py`).
 """
 
-import keras
 
+from keras_safe_dist.core import on_jax
 from keras_safe_dist.findings import Finding
 
-__all__ = ["NOT_ON_JAX", "RUN_ON_JAX", "layout_findings", "not_applicable", "on_jax"]
+__all__ = ["NOT_ON_JAX", "RUN_ON_JAX", "layout_findings", "not_applicable"]
 
 # check family: (its codes, why it has no meaning on JAX)
 NOT_ON_JAX = {
@@ -47,11 +47,6 @@ RUN_ON_JAX = {
     "audit()": "MODE003 and JAX002",
     "TrainingModeAudit": "MODE001 and MODE003",
 }
-
-
-def on_jax():
-    """Whether Keras runs on its JAX backend."""
-    return keras.backend.backend() == "jax"
 
 
 def not_applicable(subject, families):
@@ -101,6 +96,6 @@ def layout_findings(model):
     """
     if not on_jax():
         return []
-    from keras_safe_dist.backend.jax import variable_layout
+    from keras_safe_dist.backend.jax import layout_audit
 
-    return variable_layout.layout_findings(model)
+    return layout_audit.layout_findings(model)

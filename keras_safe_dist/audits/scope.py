@@ -14,18 +14,17 @@ strategy or `OneDeviceStrategy`, which create plain variables, any plain
 variable does.
 """
 
-import inspect
-import os
 import weakref
 
 import keras
 
 from keras_safe_dist import _compat
-from keras_safe_dist import _warnings
-from keras_safe_dist._lazy import tensorflow as tf
-from keras_safe_dist._lazy import tensorflow_compat as _tf_compat
 from keras_safe_dist.audits import _variables
+from keras_safe_dist.audits._tensorflow import compat as _tf_compat
 from keras_safe_dist.audits.aggregation import describe_strategy
+from keras_safe_dist.core import UNKNOWN_SITE
+from keras_safe_dist.core import creation_site
+from keras_safe_dist.core._lazy import tensorflow as tf
 from keras_safe_dist.findings import Finding
 
 __all__ = [
@@ -480,7 +479,7 @@ def created_at(variable):
 def _record_site(next_creator, **kwargs):
     variable = next_creator(**kwargs)
     site = creation_site()
-    if site != _UNKNOWN:
+    if site != UNKNOWN_SITE:
         try:
             setattr(variable, _SITE, site)
         except AttributeError:  # a variable type without a __dict__
@@ -500,41 +499,6 @@ def _record_creation_sites():
     scope = tf.variable_creator_scope(_record_site)
     scope.__enter__()
     return scope
-
-
-_UNKNOWN = "unknown code"
-
-
-def creation_site():
-    """`"file.py:12 in MyCallback.on_train_begin"` for the innermost user frame.
-
-    User code is the innermost frame outside Keras, TensorFlow and
-    keras_safe_dist (and the Python library folder, site-packages included).
-
-    Returns:
-        A str: `"<file name>:<line> in <function>"`, the function prefixed
-        with the class of its `self`; `"unknown code"` when there is no user
-        frame.
-
-    Example:
-
-    ```python
-    class MyCallback(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            print(creation_site())  # train.py:12 in MyCallback.on_train_begin
-    ```
-    """
-    frame = inspect.currentframe()
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_warnings.LIBRARIES) and not filename.startswith("<"):
-            owner = frame.f_locals.get("self")
-            function = frame.f_code.co_name
-            if owner is not None:
-                function = f"{type(owner).__name__}.{function}"
-            return f"{os.path.basename(filename)}:{frame.f_lineno} in {function}"
-        frame = frame.f_back
-    return _UNKNOWN
 
 
 # Held for good: a collected scope would exit. TensorFlow's variables only:

@@ -10,23 +10,17 @@ its strategy), the size where the configuration gives one, and the
 import keras
 
 from keras_safe_dist import _compat
-from keras_safe_dist import _warnings
-from keras_safe_dist._lazy import tensorflow as tf
 from keras_safe_dist.audits.aggregation import describe_strategy
+from keras_safe_dist.core import _warnings
+from keras_safe_dist.core import is_safe_model
+from keras_safe_dist.core._lazy import tensorflow as tf
 from keras_safe_dist.findings import Finding
 
-__all__ = ["is_safe_model", "stock_findings", "warn_no_update_statistics"]
+__all__ = ["stock_findings", "warn_no_update_statistics"]
 
 _CLIPPING = ("global_clipnorm", "clipnorm", "clipvalue")
 # Loss reductions that divide by the replica's own weight or mask total.
 _LOCAL_DENOMINATOR = ("mean_with_sample_weight",)
-
-
-def is_safe_model(model):
-    """Whether `model` is a `SafeDistributedModel` (its update is exact)."""
-    from keras_safe_dist.model import SafeDistributedModel
-
-    return isinstance(model, SafeDistributedModel)
 
 
 def stock_findings(model, strategy):

@@ -12,7 +12,7 @@ import numpy as np
 
 from keras_safe_dist import _compat
 from keras_safe_dist.audits import _variables
-from keras_safe_dist.audits.jax_backend import on_jax
+from keras_safe_dist.core import on_jax
 from keras_safe_dist.findings import Finding
 
 __all__ = [

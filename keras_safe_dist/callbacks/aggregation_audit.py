@@ -5,8 +5,8 @@ from keras_safe_dist.audits import stock_findings
 from keras_safe_dist.audits import training_strategy
 from keras_safe_dist.audits._variables import all_variables
 from keras_safe_dist.audits.jax_backend import not_applicable
-from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
+from keras_safe_dist.core import on_jax
 from keras_safe_dist.findings import AuditReport
 
 __all__ = ["AggregationAudit"]

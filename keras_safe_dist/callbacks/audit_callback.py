@@ -4,11 +4,11 @@ import warnings
 
 import keras
 
-from keras_safe_dist import _validate
-from keras_safe_dist import summaries
-from keras_safe_dist.distributed import is_chief
-from keras_safe_dist.distributed import strategy_of
+from keras_safe_dist.core import _validate
 from keras_safe_dist.findings import CODES
+from keras_safe_dist.report import writer as summaries
+from keras_safe_dist.scale_out.distributed import is_chief
+from keras_safe_dist.scale_out.distributed import strategy_of
 
 __all__ = ["AuditCallback", "AuditError", "AuditWarning"]
 

@@ -13,10 +13,10 @@ import keras
 import numpy as np
 
 from keras_safe_dist import _compat
-from keras_safe_dist import _files
-from keras_safe_dist import _json
-from keras_safe_dist import _lock
-from keras_safe_dist import distributed
+from keras_safe_dist.core import _files
+from keras_safe_dist.core import _json
+from keras_safe_dist.core import _lock
+from keras_safe_dist.scale_out import distributed
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")

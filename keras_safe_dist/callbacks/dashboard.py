@@ -11,20 +11,20 @@ from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.util import tensor_util
 
-from keras_safe_dist import _events
-from keras_safe_dist import _files
-from keras_safe_dist import _validate
-from keras_safe_dist import summaries
 from keras_safe_dist.audits.stock import warn_no_update_statistics
-from keras_safe_dist.distributed import is_chief
-from keras_safe_dist.distributed import strategy_of
-from keras_safe_dist.statistics import LOG_NAMES
-from keras_safe_dist.statistics import PREFIX
-from keras_safe_dist.statistics import RUN
-from keras_safe_dist.statistics import SPREAD
-from keras_safe_dist.statistics import STATISTICS
-from keras_safe_dist.statistics import UPDATE_PREFIX
-from keras_safe_dist.statistics import description
+from keras_safe_dist.core import _files
+from keras_safe_dist.core import _validate
+from keras_safe_dist.report import _events
+from keras_safe_dist.report import writer as summaries
+from keras_safe_dist.scale_out.distributed import is_chief
+from keras_safe_dist.scale_out.distributed import strategy_of
+from keras_safe_dist.update.statistics import LOG_NAMES
+from keras_safe_dist.update.statistics import PREFIX
+from keras_safe_dist.update.statistics import RUN
+from keras_safe_dist.update.statistics import SPREAD
+from keras_safe_dist.update.statistics import STATISTICS
+from keras_safe_dist.update.statistics import UPDATE_PREFIX
+from keras_safe_dist.update.statistics import description
 
 __all__ = ["Dashboard", "DASHBOARD_TITLE", "STATISTICS", "UPDATE_TITLE", "layout"]
 
@@ -112,7 +112,7 @@ class Dashboard(keras.callbacks.Callback):
     same chart. Every scalar carries a description (what it is, its step, how
     to read it). With a plain `keras.Model`, whose logs lack these values,
     only the layout is written. Only the chief writes, and it writes its event
-    file with the `tensorboard` package alone (`keras_safe_dist._events`): no
+    file with the `tensorboard` package alone (`keras_safe_dist.report._log_dir._events`): no
     TensorFlow needed.
 
     It reads only the logs Keras already computed and converted. Its batch

@@ -4,9 +4,9 @@ from keras_safe_dist.audits import CreationWatch
 from keras_safe_dist.audits import scope_findings
 from keras_safe_dist.audits import training_strategy
 from keras_safe_dist.audits.jax_backend import not_applicable
-from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
 from keras_safe_dist.callbacks.audit_callback import AuditError
+from keras_safe_dist.core import on_jax
 from keras_safe_dist.findings import AuditReport
 
 __all__ = ["ScopeAudit"]

@@ -2,12 +2,12 @@
 
 import threading
 
-from keras_safe_dist import _validate
 from keras_safe_dist.audits import TrainingModeSnapshot
 from keras_safe_dist.audits import frozen_batch_norm_findings
 from keras_safe_dist.audits.jax_backend import not_applicable
-from keras_safe_dist.audits.jax_backend import on_jax
 from keras_safe_dist.callbacks.audit_callback import AuditCallback
+from keras_safe_dist.core import _validate
+from keras_safe_dist.core import on_jax
 from keras_safe_dist.findings import AuditReport
 
 __all__ = ["TrainingModeAudit"]

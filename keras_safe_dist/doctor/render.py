@@ -3,7 +3,7 @@
 import math
 import textwrap
 
-from keras_safe_dist import _json
+from keras_safe_dist.core import _json
 
 __all__ = [
     "format_figure",

@@ -5,8 +5,8 @@ import platform
 import keras
 
 import keras_safe_dist
-from keras_safe_dist import _validate
-from keras_safe_dist._lazy import tensorflow as tf
+from keras_safe_dist.core import _validate
+from keras_safe_dist.core._lazy import tensorflow as tf
 from keras_safe_dist.doctor.probes import PROBES
 from keras_safe_dist.doctor.result import Result
 from keras_safe_dist.doctor.result import choose

@@ -6,15 +6,15 @@ import warnings
 
 import keras
 
-from keras_safe_dist import _stats
-from keras_safe_dist import _validate
-from keras_safe_dist import distributed
-from keras_safe_dist import summaries
-from keras_safe_dist.audits.jax_backend import on_jax
-from keras_safe_dist.model import SafeDistributedModel
+from keras_safe_dist.core import _validate
+from keras_safe_dist.core import on_jax
 from keras_safe_dist.nan import flags as _nan_flags
-from keras_safe_dist.nan import report as _nan_report
+from keras_safe_dist.nan import onset_report as _nan_report
 from keras_safe_dist.nan import rows as _nan_rows
+from keras_safe_dist.nan.link import link_of
+from keras_safe_dist.report import writer as summaries
+from keras_safe_dist.scale_out import distributed
+from keras_safe_dist.update import _rule as _stats
 
 __all__ = ["NaNOnsetDetector"]
 
@@ -221,12 +221,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
-        self._probe = getattr(model, "_nan_probe", None)
-        self._full = isinstance(model, SafeDistributedModel) and self._probe is not None
+        # What the model gives the detector (None for a plain keras.Model).
+        self._link = link_of(model)
+        self._probe = self._link.probe if self._link is not None else None
+        self._full = self._probe is not None
         # Keras's JAX backend: the step's record on the device.
-        self._watch = None
-        if on_jax() and isinstance(model, SafeDistributedModel):
-            self._watch = model._update_engine.watch
+        self._watch = self._link.watch if self._link is not None and on_jax() else None
         self._jax = self._watch is not None
         counts_skips = self._full or self._jax
         if self.action == "continue" and not (counts_skips and model.skip_nonfinite):
@@ -464,7 +464,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     def _find_in_fit_arrays(self, report, named):
         """Names the rows of the arrays given to `fit()` that hold the onset batch's bad samples."""
-        arrays = self.model.__dict__.get("_fit_arrays")
+        arrays = self._link.fit_arrays if self._link is not None else None
         if arrays is None:
             report["notes"].append(_nan_rows.DATA_NOTE)
             return
@@ -647,7 +647,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         return _tf_probe().WeightCheck.of(self.model)()
 
     def _updates_in_epoch(self):
-        stats = self.model._update_engine.stats.numpy()
+        stats = self._link.statistics.numpy()
         return int(stats[_stats.index("updates_in_epoch")])
 
 

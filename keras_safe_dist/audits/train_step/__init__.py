@@ -13,8 +13,6 @@ compiled before the audit in `_trace.py`; the JAX layout check in
 
 import keras
 
-from keras_safe_dist import _validate
-from keras_safe_dist import summaries
 from keras_safe_dist.audits.train_step._checks import TrainingModeRecorder
 from keras_safe_dist.audits.train_step._checks import state_findings
 from keras_safe_dist.audits.train_step._state import ModelSnapshot
@@ -22,7 +20,9 @@ from keras_safe_dist.audits.train_step._state import TrainState
 from keras_safe_dist.audits.train_step._state import describe
 from keras_safe_dist.audits.train_step._state import host_values
 from keras_safe_dist.audits.train_step._trace import trace_afresh
+from keras_safe_dist.core import _validate
 from keras_safe_dist.findings import AuditReport
+from keras_safe_dist.report import writer as summaries
 
 __all__ = ["audit_train_step"]
 

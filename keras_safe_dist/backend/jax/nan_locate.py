@@ -26,7 +26,7 @@ import keras
 import numpy as np
 
 from keras_safe_dist import _compat
-from keras_safe_dist.backend.jax import _shares
+from keras_safe_dist.backend.jax import _process_batch as _shares
 from keras_safe_dist.nan.replay import wrapped_calls
 
 __all__ = ["Found", "JAXSnapshots", "locate", "nonfinite_weights"]

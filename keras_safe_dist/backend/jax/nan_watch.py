@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_safe_dist import _stats
 from keras_safe_dist.backend.jax import _compat as _jax_compat
+from keras_safe_dist.update import _rule as _stats
 
 __all__ = ["Onset", "OnsetWatch"]
 

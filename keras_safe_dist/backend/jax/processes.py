@@ -1,6 +1,6 @@
 """Starting this process's part of a multi-process JAX run, with every wait bounded.
 
-`keras_safe_dist.initialize()` (keras_safe_dist/distributed.py) lands here on
+`keras_safe_dist.initialize()` (keras_safe_dist/scale_out/distributed.py) lands here on
 JAX. It does what `keras.distribution.initialize()` does (join
 `jax.distributed`, agree on Keras's random seed) with jax's timeouts set to
 one bound instead of its defaults (300 s to start, 100 s to notice a dead

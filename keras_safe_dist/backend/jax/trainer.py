@@ -23,14 +23,14 @@ import jax
 import keras
 
 from keras_safe_dist import _compat
-from keras_safe_dist import _loss
-from keras_safe_dist import statistics
 from keras_safe_dist.backend.jax import _compat as _jax_compat
-from keras_safe_dist.backend.jax import _shares
+from keras_safe_dist.backend.jax import _process_batch as _shares
 from keras_safe_dist.backend.jax import _watchdog
 from keras_safe_dist.backend.jax import processes
 from keras_safe_dist.backend.jax import variable_layout
 from keras_safe_dist.backend.jax._update import JAXUpdateEngine
+from keras_safe_dist.update import _loss
+from keras_safe_dist.update import statistics
 
 
 class JAXTrainer(_compat.EpochEndOverride):
@@ -40,7 +40,6 @@ class JAXTrainer(_compat.EpochEndOverride):
         # NaNOnsetDetector's in-step checks on TensorFlow; on JAX its record
         # is the update engine's `watch` (see `nan_watch`).
         self._nan_probe_request = None
-        self._nan_probe = None
         self.__dict__["_engine_hidden"] = False
 
     def _watches_nan_in_step(self):
@@ -55,7 +54,7 @@ class JAXTrainer(_compat.EpochEndOverride):
     def _check_placement(self, where, optimizer=None, metrics=()):
         """No strategy scope on JAX: variables created before the distribution are laid out later.
 
-        See `variable_layout.laid_out`, called before each step is compiled.
+        See `variable_layout.lay_out`, called before each step is compiled.
         """
 
     def _check_fit_data(self, x, batch_size):
@@ -126,13 +125,13 @@ class JAXTrainer(_compat.EpochEndOverride):
     def make_test_function(self, force=False):
         force = self._new_distribution("test") or force
         if self.test_function is None or force:
-            variable_layout.laid_out(self)
+            variable_layout.lay_out(self)
         return super().make_test_function(force)
 
     def make_predict_function(self, force=False):
         force = self._new_distribution("predict") or force
         if self.predict_function is None or force:
-            variable_layout.laid_out(self)
+            variable_layout.lay_out(self)
         super().make_predict_function(force)
         function = self.predict_function
         if jax.process_count() == 1 or getattr(function, "_local_rows", False):
@@ -178,12 +177,14 @@ class JAXTrainer(_compat.EpochEndOverride):
             self.optimizer.build(self.trainable_variables)
         # Variables created before the distribution was set: on it, once;
         # then the engine's own, laid out as those variables are.
-        variable_layout.laid_out(self)
+        variable_layout.lay_out(self)
         if engine is None or engine.stale(self._nan_probe_request):
             if engine is not None:
                 engine.flush()
             self._update_engine = JAXUpdateEngine(self, self._nan_probe_request)
-            variable_layout.laid_out(self)
+            self._nan_link.watch = self._update_engine.watch
+            self._nan_link.statistics = self._update_engine.stats
+            variable_layout.lay_out(self)
         self._update_engine.read_layout()
         super().make_train_function(force=True)
         watch = self._update_engine.watch
@@ -317,16 +318,6 @@ class JAXTrainer(_compat.EpochEndOverride):
             _compat.loss_tracker(self).update_state(value, sample_weight=weight)
             logs = self.compute_metrics(x, y, y_pred, sample_weight)
         return logs, _current_values(scope, self.metrics_variables, metrics_values)
-
-    def _end_epoch_steps(self, logs):
-        # A partial group pending at the end of an epoch is applied here,
-        # before validation and the epoch-end callbacks read the weights.
-        engine = self._update_engine
-        if engine is None or not engine.end_epoch():
-            return logs
-        if self._stats_logged and isinstance(logs, dict):
-            logs = {**logs, **{k: float(v) for k, v in engine.logs().items()}}
-        return logs
 
     def _update_log_names(self):
         return statistics.LOG_NAMES if self._stats_logged else ()

@@ -1,4 +1,4 @@
-"""`JAX002`: variables created before the `keras.distribution` distribution was set.
+"""Variables created before the `keras.distribution` distribution was set, laid out on it.
 
 A `keras.Variable` takes its layout from the distribution in effect when it
 is created. A model (or optimizer, or metric) created before
@@ -6,76 +6,35 @@ is created. A model (or optimizer, or metric) created before
 device, and Keras's jitted step then fails on the mix ("Received
 incompatible devices for jitted computation"). `SafeDistributedModel` lays
 such variables out on the distribution once, before its first step, and
-warns; `keras_safe_dist.audit()` reports them as `JAX002`. The check is
-LOOP004's (`train_step_layout`), on the variables instead of a custom
-loop's state. Only imported on the JAX backend.
+warns (`lay_out`); `keras_safe_dist.audit()` reports them as `JAX002`
+(`layout_audit.py`, from `misplaced_variables`). The check is LOOP004's
+(`train_step_layout`), on the variables instead of a custom loop's state.
+Only imported on the JAX backend.
 """
 
 import jax
 import keras
 
-from keras_safe_dist import _warnings
 from keras_safe_dist.backend.jax import _compat as _jax_compat
-from keras_safe_dist.backend.jax.train_step_layout import current_distribution
 from keras_safe_dist.backend.jax.train_step_layout import distribution_name
 from keras_safe_dist.backend.jax.train_step_layout import examples
 from keras_safe_dist.backend.jax.train_step_layout import misplaced
-from keras_safe_dist.findings import Finding
+from keras_safe_dist.core import _warnings
 
-__all__ = ["layout_findings", "laid_out"]
+__all__ = ["CAUSE", "FIX", "lay_out", "misplaced_variables"]
 
-_CAUSE = (
+CAUSE = (
     "they were created before `keras.distribution.set_distribution(...)` (or outside "
     "`distribution.scope()`, or under another distribution), so they stay where they "
     "were created"
 )
-_FIX = (
+FIX = (
     "Call `keras.distribution.set_distribution(...)` before creating the model, the "
     "optimizer and the metrics (or create them under `distribution.scope()`)."
 )
 
 
-def layout_findings(model):
-    """`JAX002` when a variable of `model` is not laid out as the distribution says.
-
-    Checks the model's variables, its optimizer's and its metrics' (those
-    built so far) against the distribution in effect, when one spans several
-    devices.
-
-    Args:
-        model: a built `keras.Model`.
-
-    Returns:
-        A list of at most one finding.
-    """
-    distribution = current_distribution()
-    if distribution is None:
-        return []
-    variables = _variables(model)
-    wrong = _misplaced_variables(distribution, variables, _references(model))
-    if not wrong:
-        return []
-    if _is_safe_distributed(model):
-        consequence = (
-            "SafeDistributedModel lays them out on the distribution once, before its "
-            "first step, and warns"
-        )
-    else:
-        consequence = (
-            "keras.Model.fit() fails on them with 'Received incompatible devices for "
-            "jitted computation'"
-        )
-    return [
-        Finding.of(
-            "JAX002",
-            f"model '{model.name}'",
-            f"{_summary(distribution, wrong, variables)}: {_CAUSE}; {consequence}.",
-            _FIX,
-        )
-    ]
-
-
-def laid_out(model):
+def lay_out(model):
     """Lays the variables of `model` out on the distribution, where they are not; warns once.
 
     Called before Keras compiles a step, once the optimizer and the metrics
@@ -94,23 +53,42 @@ def laid_out(model):
     distribution = keras.distribution.distribution()
     if distribution is None:
         return
-    variables = _variables(model)
-    wrong = _misplaced_variables(distribution, variables, _references(model))
+    wrong, summary = misplaced_variables(model, distribution)
     if not wrong:
         return
-    summary = _summary(distribution, wrong, variables)
     if jax.process_count() > 1:
         raise ValueError(
-            f"SafeDistributedModel '{model.name}': {summary}: {_CAUSE}. With "
+            f"SafeDistributedModel '{model.name}': {summary}: {CAUSE}. With "
             f"{jax.process_count()} processes each holds its own values, which cannot be "
-            f"laid out as one array without knowing they agree (JAX002). {_FIX}"
+            f"laid out as one array without knowing they agree (JAX002). {FIX}"
         )
     for variable, layout, _ in wrong:
         _jax_compat.lay_out_variable(variable, layout)
     _warnings.warn(
-        f"SafeDistributedModel '{model.name}': {summary}: {_CAUSE}. They are now laid "
-        f"out on the distribution, once, with their values unchanged (JAX002). {_FIX}"
+        f"SafeDistributedModel '{model.name}': {summary}: {CAUSE}. They are now laid "
+        f"out on the distribution, once, with their values unchanged (JAX002). {FIX}"
     )
+
+
+def misplaced_variables(model, distribution):
+    """The variables of `model` not laid out as `distribution` says, and their summary.
+
+    Checks the model's variables, its optimizer's and its metrics' (those
+    built so far); an optimizer slot or our own per-variable state is
+    expected laid out as its variable.
+
+    Args:
+        model: a built `keras.Model`.
+        distribution: a `keras.distribution.Distribution`.
+
+    Returns:
+        `(wrong, summary)`: a list of `(variable, layout, problem)`, and a
+        str naming how many of how many variables and examples (`""` when
+        none is wrong).
+    """
+    variables = _variables(model)
+    wrong = _misplaced_variables(distribution, variables, _references(model))
+    return wrong, (_summary(distribution, wrong, variables) if wrong else "")
 
 
 def _variables(model):
@@ -168,9 +146,3 @@ def _summary(distribution, wrong, variables):
         f"{len(wrong)} of {len(variables)} variables of the model, optimizer and metrics "
         f"are not laid out as {distribution_name(distribution)} lays out their variables ({shown})"
     )
-
-
-def _is_safe_distributed(model):
-    from keras_safe_dist.model import SafeDistributedModel
-
-    return isinstance(model, SafeDistributedModel)

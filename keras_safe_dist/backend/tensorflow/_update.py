@@ -16,11 +16,11 @@ import keras
 import tensorflow as tf
 
 from keras_safe_dist import _compat
-from keras_safe_dist import _loss
-from keras_safe_dist import _stats
-from keras_safe_dist import statistics
 from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 from keras_safe_dist.backend.tensorflow._accumulate import Accumulators
+from keras_safe_dist.update import _loss
+from keras_safe_dist.update import _rule as _stats
+from keras_safe_dist.update import statistics
 
 _ON_READ = tf.VariableSynchronization.ON_READ
 _SUM = tf.VariableAggregation.SUM

@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from keras_safe_dist import _compat
-from keras_safe_dist import _loss
+from keras_safe_dist.update import _loss
 
 
 def check_model(model):

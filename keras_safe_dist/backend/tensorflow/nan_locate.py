@@ -10,8 +10,8 @@ keeps `PlainSnapshots` for a plain `keras.Model` with `action="restore"`.
 
 import tensorflow as tf
 
-from keras_safe_dist import distributed
 from keras_safe_dist.backend.tensorflow import nan_replay as _nan_replay
+from keras_safe_dist.scale_out import distributed
 
 __all__ = ["PlainSnapshots", "locate"]
 

@@ -66,12 +66,12 @@ its slots per step, and two copies' worth of memory.
 import keras
 import tensorflow as tf
 
-from keras_safe_dist import _stats
 from keras_safe_dist.nan.flags import LOG_NAMES
 from keras_safe_dist.nan.flags import MAX_REPLICAS
 from keras_safe_dist.nan.flags import MAX_REPLICAS_FOR_FLOAT32
 from keras_safe_dist.nan.flags import MAX_REPLICAS_FOR_MASK
 from keras_safe_dist.nan.flags import base as _base
+from keras_safe_dist.update import _rule as _stats
 
 __all__ = [
     "NaNProbe",

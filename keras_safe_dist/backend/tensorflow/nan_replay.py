@@ -18,10 +18,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_safe_dist import _loss
 from keras_safe_dist.backend.tensorflow import nan_probe as _nan_probe
 from keras_safe_dist.nan.replay import Replay
 from keras_safe_dist.nan.replay import wrapped_calls
+from keras_safe_dist.update import _loss
 
 __all__ = ["replay"]
 

@@ -14,18 +14,18 @@ import keras
 import tensorflow as tf
 
 from keras_safe_dist import _compat
-from keras_safe_dist import _loss
-from keras_safe_dist import _warnings
 from keras_safe_dist.audits import scope as _scope
 from keras_safe_dist.backend.tensorflow import _accumulate
 from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
+from keras_safe_dist.backend.tensorflow import _empty_shares as _shares
 from keras_safe_dist.backend.tensorflow import _per_worker
-from keras_safe_dist.backend.tensorflow import _shares
 from keras_safe_dist.backend.tensorflow import _xla
 from keras_safe_dist.backend.tensorflow import nan_probe
 from keras_safe_dist.backend.tensorflow._update import UpdateEngine
 from keras_safe_dist.backend.tensorflow._update import all_reduced_totals
 from keras_safe_dist.backend.tensorflow._update import loss_value
+from keras_safe_dist.core import _warnings
+from keras_safe_dist.update import _loss
 
 
 class TensorFlowTrainer(_tf_compat.TrainerOverrides):
@@ -34,7 +34,7 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
     def _reset_step_state(self):
         # Set by fit() from a NaNOnsetDetector among the callbacks.
         self._nan_probe_request = None
-        self._nan_probe = None
+        self._nan_link.probe = None
         # The step compiled with XLA on its own, when NaN checks run before it.
         self._xla_step = None
         # jit_compile=True on several replicas: each replica's pass under XLA.
@@ -136,7 +136,7 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
 
     def _xla_dropped_by(self):
         """What makes the step drop the per-replica XLA pass, or None."""
-        if self._nan_probe is not None:
+        if self._nan_link.probe is not None:
             return "a NaNOnsetDetector (its in-step checks run in the plain step)"
         if _compat.compute_loss_is_overridden(self):
             return f"the overridden compute_loss() of {type(self).__name__}"
@@ -156,7 +156,7 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         )
 
     def make_train_function(self, force=False):
-        built = self._nan_probe.request if self._nan_probe is not None else None
+        built = self._nan_link.probe.request if self._nan_link.probe is not None else None
         if built != self._nan_probe_request:
             force = True  # a NaNOnsetDetector was added or removed
         if self._stats_logged != self._stats_requested:
@@ -170,15 +170,16 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         # XLA cannot resize a variable, so a step it compiles whole sums the
         # rows of sparse gradients.
         self._update_engine = UpdateEngine(self, rows=not self.jit_compile)
-        self._nan_probe = None
+        self._nan_link.statistics = self._update_engine.stats
+        self._nan_link.probe = None
         if self._nan_probe_request is not None:
-            self._nan_probe = nan_probe.NaNProbe(
+            self._nan_link.probe = nan_probe.NaNProbe(
                 self, self._nan_probe_request, _tf_compat.train_data_specs(self)
             )
         self._xla_step = None
         # With several steps per execution, the execution ends at the step
         # the detector reports, so that its batch and weights are still held.
-        self._execution_ends = self._nan_probe
+        self._execution_ends = self._nan_link.probe
         self._warn_if_xla_dropped()
         try:
             return self._make_train_function(force)
@@ -186,7 +187,7 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
             self._execution_ends = None
 
     def _make_train_function(self, force):
-        if self._nan_probe is None or not self.jit_compile:
+        if self._nan_link.probe is None or not self.jit_compile:
             return super().make_train_function(force=force)
         # XLA cannot assign a batch of another shape to the capture variables,
         # and copies the weights where a plain step shares their buffers; the
@@ -204,7 +205,7 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
             self.jit_compile = True
 
     def train_step(self, data):
-        probe = self._nan_probe
+        probe = self._nan_link.probe
         if probe is None:
             return self._step(data)
         weight_terms = probe.begin_step(data)
@@ -263,10 +264,10 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
 
     def _step(self, data, weight_terms=()):
         engine = self._update_engine
-        if self._xla_replicas and not engine.custom_loss and self._nan_probe is None:
+        if self._xla_replicas and not engine.custom_loss and self._nan_link.probe is None:
             return self._multi_worker_logs(_xla.replica_step(self, data))
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        probe = self._nan_probe
+        probe = self._nan_link.probe
         with tf.GradientTape() as tape:
             y_pred, keep = self._forward(x, training=True)
             if engine.custom_loss:
@@ -304,21 +305,10 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
             logs = keras.tree.map_structure(lambda v: tf.reshape(v, [1]), logs)
         return logs
 
-    def _end_epoch_steps(self, logs):
-        # A partial group pending at the end of an epoch (one of unknown
-        # length, or stopped early) is applied here, before validation and the
-        # epoch-end callbacks read the weights.
-        engine = self._update_engine
-        if engine is None or not engine.end_epoch():
-            return logs
-        if self._stats_logged and isinstance(logs, dict):
-            logs = {**logs, **{k: float(v) for k, v in engine.logs().items()}}
-        return logs
-
     def _update_log_names(self):
         names = UpdateEngine.LOG_NAMES if self._stats_logged else ()
-        if self._nan_probe is not None:
-            names += self._nan_probe.log_names
+        if self._nan_link.probe is not None:
+            names += self._nan_link.probe.log_names
         return names
 
     def _track_custom_loss(self, loss, x):

@@ -13,8 +13,8 @@ import platform
 import sys
 import time
 
-from keras_safe_dist import _json
-from keras_safe_dist import _quiet
+from keras_safe_dist.core import _json
+from keras_safe_dist.core import _quiet
 from keras_safe_dist.doctor import render
 from keras_safe_dist.doctor.result import choose
 from keras_safe_dist.doctor.result import exit_status

@@ -16,7 +16,7 @@ import pathlib
 
 from keras_safe_dist.doctor.probe import Probe
 from keras_safe_dist.doctor.probe import Side
-from keras_safe_dist.launch import WorkerGroup
+from keras_safe_dist.scale_out.launch import WorkerGroup
 
 __all__ = ["PROBE", "TIMEOUT", "WORKERS"]
 

@@ -28,7 +28,7 @@ def main(argv=None):
 
     import keras
 
-    from keras_safe_dist import _json
+    from keras_safe_dist.core import _json
     from keras_safe_dist.doctor.probe import TOLERANCE
     from keras_safe_dist.doctor.probe import Side
     from keras_safe_dist.doctor.probe import measure

@@ -10,7 +10,7 @@ both backends.
 import numpy as np
 from keras import ops
 
-from keras_safe_dist import statistics
+from keras_safe_dist.update import statistics
 
 # The vector's fields: the last update's gradient norm and samples, the
 # epoch's applied, clipped and skipped updates, the fit's skipped updates,

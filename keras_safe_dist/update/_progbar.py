@@ -10,7 +10,7 @@ still receive the statistics.
 
 import keras
 
-from keras_safe_dist.statistics import LOG_NAMES
+from keras_safe_dist.update.statistics import LOG_NAMES
 
 __all__ = ["ProgbarWithoutStatistics", "for_fit"]
 

@@ -5,10 +5,10 @@ import os
 
 import numpy as np
 
-from keras_safe_dist import summaries
-from keras_safe_dist.distributed import is_chief
 from keras_safe_dist.findings import Finding
 from keras_safe_dist.findings import markdown_row
+from keras_safe_dist.report import writer as summaries
+from keras_safe_dist.scale_out.distributed import is_chief
 
 __all__ = [
     "KINDS",

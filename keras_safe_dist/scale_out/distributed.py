@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_safe_dist._lazy import tensorflow as tf
+from keras_safe_dist.core._lazy import tensorflow as tf
 
 
 def initialize(coordinator_address=None, num_processes=None, process_id=None, timeout=60):
@@ -101,7 +101,7 @@ def is_chief(strategy=None):
 def strategy_of(model):
     """`model.distribute_strategy` on TensorFlow; None on JAX, which has no strategy.
 
-    Callbacks pass it to `is_chief` and to `keras_safe_dist.summaries`; None
+    Callbacks pass it to `is_chief` and to `keras_safe_dist.report.writer`; None
     there means this process's own role (process 0 is the chief on JAX).
     """
     if keras.backend.backend() != "tensorflow":

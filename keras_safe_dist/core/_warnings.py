@@ -18,7 +18,8 @@ LIBRARIES = tuple(
         os.path.dirname(path) + os.sep
         for path in (
             os.__file__,
-            __file__,
+            # the package's own folder, the one above this file's
+            os.path.dirname(os.path.abspath(__file__)),
             keras.__file__,
             *(getattr(sys.modules.get(name), "__file__", None) or os.__file__ for name in ("tensorflow", "jax")),
         )

@@ -25,9 +25,9 @@ from keras_safe_dist.findings import SEVERITIES
 from keras_safe_dist.findings import AuditReport
 from keras_safe_dist.findings import Finding
 from keras_safe_dist.findings import markdown_row
-from keras_safe_dist.statistics import LOG_NAMES
-from keras_safe_dist.statistics import PREFIX
-from keras_safe_dist.statistics import RUN as DASHBOARD_RUN
+from keras_safe_dist.update.statistics import LOG_NAMES
+from keras_safe_dist.update.statistics import PREFIX
+from keras_safe_dist.update.statistics import RUN as DASHBOARD_RUN
 
 __all__ = ["LogDirReport", "RunStatistics", "UnreadableFile", "format_text", "read_log_dir"]
 

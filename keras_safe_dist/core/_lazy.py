@@ -14,7 +14,7 @@ TensorFlow object where TensorFlow was never imported.
 import importlib
 import sys
 
-__all__ = ["LazyModule", "loaded", "tensorflow", "tensorflow_compat"]
+__all__ = ["CHECKS", "LazyModule", "loaded", "tensorflow"]
 
 
 class LazyModule:
@@ -59,7 +59,5 @@ def loaded(name):
     return name in sys.modules
 
 
-_CHECKS = "keras_safe_dist's tf.distribute checks"
-tensorflow = LazyModule("tensorflow", _CHECKS, "tensorflow")
-# The private TensorFlow APIs those checks read (backend/tensorflow/_compat.py).
-tensorflow_compat = LazyModule("keras_safe_dist.backend.tensorflow._compat", _CHECKS, "tensorflow")
+CHECKS = "keras_safe_dist's tf.distribute checks"
+tensorflow = LazyModule("tensorflow", CHECKS, "tensorflow")

@@ -26,8 +26,8 @@ import threading
 import time
 import uuid
 
-from keras_safe_dist import _json
-from keras_safe_dist import _reaper
+from keras_safe_dist.core import _json
+from keras_safe_dist.scale_out import _reaper
 
 __all__ = [
     "BACKENDS", "WorkerGroup", "free_ports", "jax_env", "launch", "max_workers", "shell_status",
@@ -511,7 +511,7 @@ def launch(script, workers=2, args=(), timeout=600, env=None, backend="tensorflo
     Example:
 
     ```python
-    from keras_safe_dist.launch import launch
+    from keras_safe_dist.scale_out.launch import launch
 
     sys.exit(launch("train.py", workers=2, args=["--epochs", "3"], timeout=600))
     ```

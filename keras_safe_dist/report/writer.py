@@ -2,7 +2,7 @@
 
 TensorBoard reads what is written here: markdown as text summaries and counts
 as scalar summaries, written as `tf.summary.text` and `tf.summary.scalar`
-write them but with the `tensorboard` package alone (`keras_safe_dist._events`:
+write them but with the `tensorboard` package alone (`keras_safe_dist.report._log_dir._events`:
 no TensorFlow needed). The same reports are also written as JSON, so that
 `keras-safe-dist report LOGDIR` can read them back without TensorBoard.
 Under multi-worker training only the chief writes; the other workers' calls
@@ -20,11 +20,11 @@ import contextlib
 import os
 import threading
 
-from keras_safe_dist import _events
-from keras_safe_dist import _files
-from keras_safe_dist import _json
-from keras_safe_dist import _warnings
-from keras_safe_dist.distributed import is_chief
+from keras_safe_dist.core import _files
+from keras_safe_dist.core import _json
+from keras_safe_dist.core import _warnings
+from keras_safe_dist.report import _events
+from keras_safe_dist.scale_out.distributed import is_chief
 
 __all__ = ["write_json", "write_report", "write_scalars", "write_text", "writing"]
 
@@ -60,7 +60,7 @@ def write_scalars(log_dir, scalars, step=0, strategy=None, who="keras_safe_dist"
 def write_json(log_dir, filename, data, strategy=None, who="keras_safe_dist"):
     """Writes `data` as indented strict JSON to `log_dir/filename`; chief only.
 
-    Non-finite numbers are written as strings (see `keras_safe_dist._json`),
+    Non-finite numbers are written as strings (see `keras_safe_dist.core._json`),
     and the file is replaced whole.
 
     Returns:

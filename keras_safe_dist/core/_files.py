@@ -11,7 +11,7 @@ import contextlib
 import os
 import shutil
 
-from keras_safe_dist._lazy import tensorflow as tf
+from keras_safe_dist.core._lazy import tensorflow as tf
 
 __all__ = ["exists", "isdir", "listdir", "makedirs", "open_file", "remote", "remove", "rename"]
 
