@@ -1,4 +1,4 @@
-"""Cost of writing TensorBoard events: tf.summary (before) against `keras_safe_dist.report._log_dir._events`.
+"""Cost of writing TensorBoard events: tf.summary (before) against `keras_safe_dist.report._events`.
 
 "point": the Dashboard's per-update point, one Summary holding the four update
 statistics (descriptions with the first value of the file only), written as
@@ -251,7 +251,7 @@ def main():
         f"points per round: {args.points}, rounds: {args.rounds}; "
         f"report calls: {args.reports}, markdown {markdown_bytes} bytes"
     )
-    print(f"import of _events.py alone: {import_s:.3f} s, tensorflow imported: {imported_tf}")
+    print(f"import of report/_events.py alone: {import_s:.3f} s, tensorflow imported: {imported_tf}")
 
 
 if __name__ == "__main__":

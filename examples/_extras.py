@@ -19,7 +19,8 @@ INSTALL = {
 ELSEWHERE = {
     "jax": "The TensorFlow examples need no JAX.",
     "tensorflow": (
-        "examples/jax_data_parallel.py and examples/custom_loop_jax.py need no TensorFlow."
+        "examples/jax_data_parallel.py, examples/custom_loop_jax.py and "
+        "examples/jax_processes.py need no TensorFlow."
     ),
 }
 

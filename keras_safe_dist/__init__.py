@@ -1,6 +1,8 @@
 """keras_safe_dist: correct, observable data-parallel Keras training on TensorFlow and JAX."""
 
 import importlib
+import importlib.util
+import json
 import os
 import sys
 
@@ -26,6 +28,7 @@ __all__ = [*_EXPORTS, "__version__"]
 def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _check_backend_installed()
     module = _EXPORTS[name]
     if module is None:
         value = importlib.import_module(f"{__name__}.{name}")
@@ -37,6 +40,53 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+def _keras_backend():
+    """The backend Keras will pick: `KERAS_BACKEND`, else `keras.json`'s, else "tensorflow"."""
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as file:
+            return json.load(file).get("backend") or "tensorflow"
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
+def _why_tensorflow():
+    if os.environ.get("KERAS_BACKEND"):
+        return "KERAS_BACKEND=tensorflow"
+    return "KERAS_BACKEND is not set, and Keras's default is tensorflow"
+
+
+def _installed(module):
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_backend_installed():
+    """Refuses, with the fix, a Keras that would start on TensorFlow where there is none.
+
+    Keras starts on TensorFlow unless told otherwise; a JAX user who forgot
+    `KERAS_BACKEND=jax` would get Keras's traceback about a missing
+    TensorFlow, which names no fix. Once Keras is imported its backend is
+    fixed and Keras has already said so: nothing is checked then.
+    """
+    if "keras" in sys.modules:
+        return
+    backend = _keras_backend()
+    if backend == "tensorflow" and not _installed("tensorflow"):
+        jax = "jax is installed: " if _installed("jax") else ""
+        raise ImportError(
+            "keras_safe_dist: Keras would start on its TensorFlow backend "
+            f"({_why_tensorflow()}), and TensorFlow is not installed. "
+            f"{jax}set KERAS_BACKEND=jax before Python imports keras or keras_safe_dist "
+            "(`export KERAS_BACKEND=jax`, or `os.environ['KERAS_BACKEND'] = 'jax'` at "
+            'the top of the script), or install TensorFlow: pip install "keras-safe-dist[tensorflow]".'
+        )
 
 
 def _command_line():

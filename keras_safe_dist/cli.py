@@ -41,10 +41,15 @@ _replica_count = _integer_at_least(2, " (the defects need several replicas)")
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-safe-dist",
-        description="Correct, observable data-parallel Keras training on tf.distribute.",
+        description=(
+            "Correct, observable data-parallel Keras 3 training on TensorFlow "
+            "(tf.distribute) and JAX (keras.distribution)."
+        ),
     )
     parser.add_argument(
-        "--verbose", action="store_true", help="also print TensorFlow's C++ log lines"
+        "--verbose", action="store_true",
+        help="also print the C++ log lines TensorFlow and JAX's XLA write at start-up "
+        "(hidden by default)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_launch(commands)
@@ -57,7 +62,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if not args.verbose:
         # TensorFlow's C++ start-up lines (CUDA probes, CPU features), read
-        # when TensorFlow loads.
+        # when TensorFlow loads, and XLA's in jaxlib (device counts), which
+        # reads the same variable; launched workers inherit it.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         code = _COMMANDS[args.command](args)
@@ -85,7 +91,8 @@ def _add_launch(commands):
             "SIGTERM or SIGHUP. Exit status: 0, the first failing worker's "
             "(128+N for signal N), 124 on timeout, 128+N when the launcher got "
             "signal N, 2 for bad arguments. Note: TensorFlow's worker service "
-            "listens on every network interface, unauthenticated; use a "
+            "and JAX's coordinator (process 0, unless JAX_COORDINATOR_BIND_ADDRESS "
+            "is set) listen on every network interface, unauthenticated; use a "
             "firewall or a private network."
         ),
     )
@@ -115,16 +122,17 @@ def _add_doctor(commands):
         "doctor",
         help="compare stock Keras with SafeDistributedModel on every known defect",
         description=(
-            "Splits the CPU into N logical devices, prints the Python, Keras and "
-            "TensorFlow versions, then runs one probe per known defect of "
-            "data-parallel Keras training, each comparing stock Keras with "
-            "SafeDistributedModel on the same tiny model and data. With "
-            "--backend jax it runs the probes that exist on Keras's JAX backend "
-            "instead, in a process of its own on N JAX CPU devices under "
-            "keras.distribution.DataParallel, and lists the others as not "
-            "applicable. Exit status: 0 when SafeDistributedModel passes every "
-            "probe, 1 otherwise, 2 for bad arguments or when the backend's library "
-            "(tensorflow, or jax for --backend jax) is not installed."
+            "Prints the Python, Keras and backend versions, then runs one probe "
+            "per known defect of data-parallel Keras training on N CPU devices, "
+            "each comparing stock Keras with SafeDistributedModel on the same "
+            "tiny model and data. --backend tensorflow (the default) splits the "
+            "CPU into N logical devices under a MirroredStrategy; --backend jax "
+            "runs the probes that exist on Keras's JAX backend, in a process of "
+            "its own on N JAX CPU devices under keras.distribution.DataParallel, "
+            "and lists the others as not applicable. Exit status: 0 when "
+            "SafeDistributedModel passes every probe, 1 otherwise, 2 for bad "
+            "arguments or when the backend's library (tensorflow, or jax for "
+            "--backend jax) is not installed."
         ),
     )
     doctor.add_argument(
@@ -133,7 +141,8 @@ def _add_doctor(commands):
     )
     doctor.add_argument(
         "--replicas", type=_replica_count, default=2,
-        help="logical CPU devices to train on, integer >= 2 (default 2)",
+        help="CPU devices to train on, integer >= 2 (default 2): TensorFlow's logical "
+        "devices, or JAX's CPU devices",
     )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument(
@@ -233,7 +242,10 @@ def _add_report(commands):
             "otherwise, 2 for a missing log directory, one with nothing to "
             "report, or a report file it cannot read (named on stderr). "
             "Damaged event files are skipped with a warning; when they are all "
-            "there is, they are named and the exit status is 2."
+            "there is, they are named and the exit status is 2. --plot FILE.png also "
+            "draws each run's update statistics and NaN onsets into that image, "
+            "after the text (needs matplotlib, the [plot] extra); without "
+            "matplotlib, or with no statistics to draw, the exit status is 2."
         ),
     )
     report.add_argument("log_dir", metavar="LOGDIR", help="the log directory given to the callbacks")
@@ -244,11 +256,24 @@ def _add_report(commands):
         default="error",
         help="exit 1 when findings of this severity or worse exist (default error)",
     )
+    report.add_argument(
+        "--plot", metavar="FILE.png",
+        help="also draw each run's update statistics and the NaN onsets into this image "
+        "(its suffix names the format; needs the [plot] extra, matplotlib)",
+    )
 
 
 def _report(args):
     from keras_safe_dist import report as report_module
 
+    if args.plot is not None:
+        from keras_safe_dist.report import plot
+
+        try:
+            plot.require_matplotlib()
+        except ModuleNotFoundError as error:
+            print(f"keras-safe-dist report: --plot: {error}", file=sys.stderr)
+            return 2
     try:
         report = report_module.read_log_dir(args.log_dir)
     except (FileNotFoundError, NotADirectoryError) as error:
@@ -278,9 +303,24 @@ def _report(args):
         print(f"keras-safe-dist report: skipped {problem.path}: {problem.problem}", file=sys.stderr)
     for problem in report.errors:
         print(f"keras-safe-dist report: cannot read {problem.path}: {problem.problem}", file=sys.stderr)
+    if args.plot is not None and not _plot(args, report):
+        return 2
     if report.errors:
         return 2  # the findings may be incomplete
     return 1 if report.failing(args.fail_on) else 0
+
+
+def _plot(args, report):
+    """Draws the report into `args.plot`, says where on stderr; False when it could not."""
+    from keras_safe_dist.report import plot
+
+    try:
+        plot.plot_report(report, args.plot)
+    except (ValueError, OSError) as error:
+        print(f"keras-safe-dist report: --plot: {error}", file=sys.stderr)
+        return False
+    print(f"keras-safe-dist report: wrote the plot to {args.plot}", file=sys.stderr)
+    return True
 
 
 def _report_nothing(args, reason):

@@ -132,7 +132,8 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         ValueError: for an invalid option, or two clipping modes at once;
             also when one is assigned.
 
-    Example:
+    Example, on TensorFlow (the model, optimizer and metrics in the
+    strategy's scope):
 
     ```python
     strategy = tf.distribute.MirroredStrategy()
@@ -145,6 +146,20 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         )
         model.compile(optimizer="sgd", loss="mse")
     model.fit(x, y, batch_size=32)  # one update per 4 * 32 samples
+    ```
+
+    On JAX (`KERAS_BACKEND=jax`), the distribution set before the model is
+    built:
+
+    ```python
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    inputs = keras.Input((8,))
+    model = SafeDistributedModel(
+        inputs, keras.layers.Dense(1)(inputs),
+        gradient_accumulation_steps=4, global_clipnorm=1.0,
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=32)
     ```
     """
 
@@ -243,7 +258,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             engine.flush()
         self.__dict__["_safe_dist_options"] = options
         # The step is traced with the options: the next fit() or
-        # train_on_batch() builds it, and a new UpdateEngine, again.
+        # train_on_batch() builds it, and a new update engine, again.
         self.train_function = None
         self._update_engine = None
 
@@ -905,7 +920,7 @@ def _check_has_samples(method, x, strategy):
     or fails in `predict()`. Datasets of unknown length and generators are
     not read ahead. With several JAX processes, one process may hold no
     samples while others do: the processes check the global batch together
-    (backend/jax/_shares.py); so may a MultiWorkerMirroredStrategy worker.
+    (backend/jax/_process_batch.py); so may a MultiWorkerMirroredStrategy worker.
     """
     if on_jax() and distributed.jax_process()[1] > 1:
         return

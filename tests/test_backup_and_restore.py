@@ -153,7 +153,8 @@ def test_weights_of_another_model_are_refused_and_the_model_is_left_as_it_was(ba
 _KILLED_RUN = """
 import os, sys, time
 import keras, numpy as np
-from keras_safe_dist import SafeDistributedModel, _json
+from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.core import _json
 from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore
 
 directory, stage, expected = sys.argv[1:4]

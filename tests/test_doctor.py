@@ -122,7 +122,13 @@ def test_identity_probe_loss_is_exact_on_both_sides():
 def test_sum_aggregation_probe_stock_grows_exponentially_audit_reports_agg003():
     stock, safe = run(sum_aggregation)
     assert stock == Side(False, 30.0)  # 2, 6, 14, 30: not 2 per step
-    assert safe == Side(True, "AGG003 step_counter/count")
+    # The cell says what was checked, in words, not only the code.
+    assert safe == Side(
+        True, "audit reports AGG003 (on-write variable with sum aggregation) for step_counter/count"
+    )
+    assert "passes when keras_safe_dist.audit(model) reports AGG003 (on-write variable" in (
+        sum_aggregation.PROBE.checks
+    )
 
 
 def test_nonfinite_probe_stock_changes_every_state_variable_safe_none():
@@ -238,17 +244,36 @@ def test_table_lines_fit_100_columns_and_list_each_probes_checks_below():
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
     assert max(len(line) for line in lines if line.startswith(("+", "|"))) == 100
-    listed = lines[lines.index("What each probe checks:") + 1:-2]
-    for probe in doctor.PROBES:
-        start = next(i for i, line in enumerate(listed) if line.startswith(f"  {probe.name}: "))
-        end = next(
-            (i for i in range(start + 1, len(listed)) if not listed[i].startswith("    ")), len(listed)
-        )
-        assert " ".join(line.strip() for line in listed[start:end]) == f"{probe.name}: {probe.checks}"
+    listed = lines[lines.index("What each probe checks, and the figures it measured:") + 1:-2]
+    # all_probe_results()'s sides in turn: a crash and a number, two skips, a number and a crash.
+    measured = ["; measured: SafeDistributedModel 4.9e-08", "", "; measured: stock 30"]
+    for number, probe in enumerate(doctor.PROBES):
+        expected = f"{probe.name}: {probe.checks}{measured[number % len(measured)]}"
+        assert _listed(listed, probe.name) == expected
     # No probe's checks text is left in the table itself.
     rows = "\n".join(line for line in lines if line.startswith("| "))
     assert not any(probe.checks[:20] in rows for probe in doctor.PROBES)
     assert "x" * 80 not in text  # long figures wrap inside their cells
+
+
+def _listed(listed, name):
+    """The wrapped entry of probe `name` in the list below the table, as one line."""
+    start = next(i for i, line in enumerate(listed) if line.startswith(f"  {name}: "))
+    end = next((i for i in range(start + 1, len(listed)) if not listed[i].startswith("    ")), len(listed))
+    return " ".join(line.strip() for line in listed[start:end])
+
+
+def test_uneven_accumulation_line_says_what_its_figure_is_beside_the_figures():
+    result = doctor.Result(uneven_accumulation.PROBE, Side(False, 0.35072216), Side(True, 6.2e-8), 1.0)
+    lines = doctor.table(VERSIONS, 2, [result]).splitlines()
+    line = _listed(lines[lines.index("What each probe checks, and the figures it measured:") + 1:], result.probe.name)
+    assert line.endswith(
+        "relative deviation of the update from one device's on the whole batch: ||update - one "
+        "device's|| / ||one device's||, over all the weights (0 is correct); measured: stock "
+        "0.3507, SafeDistributedModel 6.2e-08"
+    )
+    # The table's cells keep the bare figures.
+    assert "| defect: 0.3507 " in "\n".join(lines)
 
 
 def test_json_report_keeps_each_probes_checks_text():

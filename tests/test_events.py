@@ -216,7 +216,7 @@ def test_a_remote_path_goes_through_tf_io_gfile(tmp_path):
 
 
 # Run in a fresh process where `import tensorflow` fails. The module file is
-# loaded by path, under a name of its own: `import keras_safe_dist.report._log_dir._events`
+# loaded by path, under a name of its own: `import keras_safe_dist.report._events`
 # would first run `keras_safe_dist/__init__.py`, which imports the package's
 # exports (TensorFlow among them) unless the process is the command line.
 # `_events` imports nothing from the package, so its file loads alone.

@@ -24,7 +24,7 @@ TENSORFLOW_EXAMPLES = (
     "multi_worker.py",
     "subclassed_model.py",
 )
-JAX_EXAMPLES = ("custom_loop_jax.py", "jax_data_parallel.py")
+JAX_EXAMPLES = ("custom_loop_jax.py", "jax_data_parallel.py", "jax_processes.py")
 HIDE = textwrap.dedent(
     """
     import importlib.machinery
@@ -84,7 +84,8 @@ def test_tensorflow_example_without_tensorflow_names_the_tensorflow_extra(name, 
         "(No module named 'tensorflow').\n"
         "Install the [tensorflow] extra from the repository's root:\n"
         '    pip install -c constraints.txt -e ".[tensorflow]"\n'
-        "examples/jax_data_parallel.py and examples/custom_loop_jax.py need no TensorFlow.\n"
+        "examples/jax_data_parallel.py, examples/custom_loop_jax.py and "
+        "examples/jax_processes.py need no TensorFlow.\n"
     )
 
 

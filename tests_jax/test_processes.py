@@ -542,3 +542,23 @@ def test_initialize_called_twice_is_named(tmp_path):
         "jax.distributed.initialize()): it already runs as process 0 of 1. Call it once, first "
         "thing in the script."
     ) in done.stdout
+
+
+def test_initialize_with_no_coordinator_anywhere_says_how_to_start_the_processes():
+    # Before: "could not join the run within 60 s: coordinator None, None processes".
+    env = {k: v for k, v in _env().items() if not k.startswith(("KERAS_DISTRIBUTION_", "SLURM_", "OMPI_"))}
+    script = (
+        "import keras_safe_dist\n"
+        "try:\n"
+        "    keras_safe_dist.initialize(timeout=10)\n"
+        "except ValueError as error:\n"
+        "    print('ValueError:', error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HARD)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        "ValueError: keras_safe_dist.initialize() found no coordinator: the script ran without "
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES, KERAS_DISTRIBUTION_NUM_PROCESSES and "
+        "KERAS_DISTRIBUTION_PROCESS_ID, no arguments, and jax detected no cluster"
+    ) in done.stdout
+    assert "keras-safe-dist launch --backend jax --workers N script.py" in done.stdout

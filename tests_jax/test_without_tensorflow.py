@@ -158,3 +158,66 @@ def test_report_and_doctor_commands_run_without_tensorflow(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "statuses 0 0 False", done.stdout[-3000:]
     assert "grad_norm" in done.stdout  # the report printed the run's statistics
+
+
+@pytest.mark.parametrize("backend", [None, "tensorflow"])
+def test_importing_the_package_without_tensorflow_or_keras_backend_says_to_set_it(tmp_path, backend):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(REFUSE_TENSORFLOW)
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "KERAS_HOME": str(tmp_path / "home")}
+    env.pop("KERAS_BACKEND")
+    if backend is not None:
+        env["KERAS_BACKEND"] = backend
+    done = subprocess.run(
+        [sys.executable, "-c", "import keras_safe_dist"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: keras_safe_dist: Keras would start on its TensorFlow backend")
+    assert "TensorFlow is not installed. jax is installed: set KERAS_BACKEND=jax before" in last
+    reason = "KERAS_BACKEND is not set" if backend is None else "KERAS_BACKEND=tensorflow"
+    assert reason in last
+    # Keras's own traceback is not reached: the package stops before importing Keras.
+    assert "keras/src" not in done.stderr
+
+
+def test_a_keras_json_that_names_jax_is_followed_without_keras_backend(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(REFUSE_TENSORFLOW)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "keras.json").write_text('{"backend": "jax"}')
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "KERAS_HOME": str(home)}
+    env.pop("KERAS_BACKEND")
+    env.pop("XLA_FLAGS", None)
+    code = "import keras_safe_dist, keras; print(keras.backend.backend())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "jax"
+
+
+def _readme_block(heading):
+    """The first Python block under the README's `heading`."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(f"\n{heading}\n") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```\n", start)]
+
+
+def test_the_readme_on_jax_code_runs_as_pasted_without_tensorflow_or_keras_backend(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(REFUSE_TENSORFLOW)
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "KERAS_HOME": str(tmp_path / "home")}
+    env.pop("KERAS_BACKEND")  # the block sets it itself; XLA_FLAGS gives it 2 CPU devices
+    code = _readme_block("## On JAX")
+    assert 'os.environ["KERAS_BACKEND"] = "jax"' in code
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The progress bar redraws its line with backspaces: the last loss of each epoch.
+    lines = [line.split("\x08")[-1] for line in done.stdout.replace("\r", "\n").splitlines()]
+    losses = [float(line.rsplit("loss: ", 1)[1].split()[0]) for line in lines if "loss: " in line]
+    assert len(losses) >= 2 and all(np.isfinite(losses))
+    assert losses[-1] < losses[0]  # it trains: 1000 samples, batch 33 on 2 devices

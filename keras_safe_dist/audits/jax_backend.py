@@ -64,23 +64,25 @@ def not_applicable(subject, families):
 
     ```python
     finding = not_applicable("TrainingModeAudit", ["replica copies"])
-    print(finding.message)  # On Keras's JAX backend TrainingModeAudit ran MODE001 and MODE003; ...
+    print(finding.message)
+    # On Keras's JAX backend TrainingModeAudit ran MODE001 and MODE003; MODE002, MODE004
+    # (replica copies): tf.distribute's checks, which do not apply.
     ```
     """
     ran = RUN_ON_JAX.get(subject)
-    codes = ", ".join(NOT_ON_JAX[family][0] for family in families)
-    reasons = "; ".join(f"{family}: {NOT_ON_JAX[family][1]}" for family in families)
+    codes = ", ".join(f"{NOT_ON_JAX[family][0]} ({family})" for family in families)
     if ran:
-        done = f"On Keras's JAX backend {subject} ran {ran}; its"
+        done = f"On Keras's JAX backend {subject} ran {ran}"
     else:
-        done = f"On Keras's JAX backend {subject} has no check to run: its"
+        done = f"On Keras's JAX backend {subject} has no check to run"
+    # One sentence: `report` merges an audit's JAX001 with the others' into one row.
+    # The reasons, in JAX's terms, are `NOT_ON_JAX`'s, listed in docs/audits.md.
     return Finding.of(
         "JAX001",
         subject,
-        f"{done} {', '.join(families)} checks ({codes}) are tf.distribute's and do not "
-        f"apply ({reasons}).",
+        f"{done}; {codes}: tf.distribute's checks, which do not apply.",
         "Nothing to fix: those checks run on the TensorFlow backend under a tf.distribute "
-        "strategy.",
+        "strategy (why each does not apply on JAX: docs/audits.md, 'On the JAX backend').",
     )
 
 

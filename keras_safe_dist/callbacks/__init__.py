@@ -1,4 +1,10 @@
-"""Callbacks for `fit()` under `tf.distribute`."""
+"""Callbacks for `fit()`, under `tf.distribute` (TensorFlow) or `keras.distribution` (JAX).
+
+The audits (`AggregationAudit`, `ScopeAudit`, `TrainingModeAudit`), the
+`Dashboard`, the `NaNOnsetDetector` and `MultiWorkerBackupAndRestore`; each
+works on both backends and says where a check has no meaning on JAX
+(`JAX001`).
+"""
 
 from keras_safe_dist.callbacks.aggregation_audit import AggregationAudit
 from keras_safe_dist.callbacks.audit_callback import AuditCallback

@@ -112,7 +112,7 @@ class Dashboard(keras.callbacks.Callback):
     same chart. Every scalar carries a description (what it is, its step, how
     to read it). With a plain `keras.Model`, whose logs lack these values,
     only the layout is written. Only the chief writes, and it writes its event
-    file with the `tensorboard` package alone (`keras_safe_dist.report._log_dir._events`): no
+    file with the `tensorboard` package alone (`keras_safe_dist.report._events`): no
     TensorFlow needed.
 
     It reads only the logs Keras already computed and converted. Its batch

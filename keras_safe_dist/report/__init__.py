@@ -24,6 +24,7 @@ _EXPORTS = {
     "RunStatistics": "_log_dir",
     "UnreadableFile": "_log_dir",
     "format_text": "_log_dir",
+    "plot_report": "plot",
     "read_log_dir": "_log_dir",
 }
 

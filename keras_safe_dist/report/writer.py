@@ -2,7 +2,7 @@
 
 TensorBoard reads what is written here: markdown as text summaries and counts
 as scalar summaries, written as `tf.summary.text` and `tf.summary.scalar`
-write them but with the `tensorboard` package alone (`keras_safe_dist.report._log_dir._events`:
+write them but with the `tensorboard` package alone (`keras_safe_dist.report._events`:
 no TensorFlow needed). The same reports are also written as JSON, so that
 `keras-safe-dist report LOGDIR` can read them back without TensorBoard.
 Under multi-worker training only the chief writes; the other workers' calls

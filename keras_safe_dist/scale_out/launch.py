@@ -1,10 +1,15 @@
-"""Start a script as several local MultiWorkerMirroredStrategy workers.
+"""Start a script as several local workers: TensorFlow's or JAX's processes.
 
+With `backend="tensorflow"` each worker gets a `TF_CONFIG` for
+MultiWorkerMirroredStrategy; with `backend="jax"`, Keras's
+`KERAS_DISTRIBUTION_*` variables for `jax.distributed` (see `jax_env`).
 For local runs and tests: the workers find each other at 127.0.0.1. Note that
 TensorFlow's gRPC worker service binds every network interface (`*:port`,
 IPv4 and IPv6) without authentication, whatever address `TF_CONFIG` names,
-and offers no option to bind one: run it behind a firewall or on a private
-network. On a real cluster, give each machine its own `TF_CONFIG` (see
+and offers no option to bind one, and that JAX's coordinator (process 0)
+binds `[::]:port` too unless `JAX_COORDINATOR_BIND_ADDRESS` says otherwise:
+run them behind a firewall or on a private network. On a real cluster, give
+each machine its own `TF_CONFIG` or `KERAS_DISTRIBUTION_*` variables (see
 docs/scaling_out.md).
 
 Workers end with the launcher however it ends: on a failure, a timeout or a

@@ -7,7 +7,7 @@ loss numerator; the last of a group divides the sum by the group's exact
 denominator, adds the weight regularization gradient once, clips, and applies
 it, or leaves weights and optimizer state as they were when the update is not
 finite. The rule it follows is `_loss`'s and `_stats`'s, shared with
-TensorFlow's `UpdateEngine`; the trainer is `trainer.py`, beside this module.
+TensorFlow's `TensorFlowUpdateEngine`; the trainer is `trainer.py`, beside this module.
 """
 
 import jax

@@ -84,6 +84,16 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, ti
             shutdown_timeout_seconds=timeout,
         )
     except Exception as error:
+        if coordinator_address is None and "coordinator_address" in str(error):
+            # Nothing named a coordinator, and jax found no cluster (Slurm, MPI, a TPU pod).
+            raise ValueError(
+                "keras_safe_dist.initialize() found no coordinator: the script ran "
+                f"without {ADDRESSES}, {COUNT} and {INDEX}, no arguments, and jax detected "
+                "no cluster (Slurm, Open MPI, a Cloud TPU). Start it with `keras-safe-dist "
+                "launch --backend jax --workers N script.py`, set those three variables "
+                "for each process, or pass coordinator_address, num_processes and "
+                f"process_id. jax said: {error}"
+            ) from error
         raise RuntimeError(
             f"This process (process_id={process_id}) could not join the run within "
             f"{timeout} s: coordinator {coordinator_address!r}, {num_processes} processes. "

@@ -52,7 +52,7 @@ def _identity(grads_and_vars):
 # Synchronized BatchNormalization sums each replica's batch statistics with
 # `_compute_moments_sync(x, axes, keepdims)` in Keras's TensorFlow backend. A
 # replica whose share of a batch is empty runs one row of zeros instead
-# (`_shares.py`); that row must not enter the sums. While a thread runs such
+# (`_empty_shares.py`); that row must not enter the sums. While a thread runs such
 # a forward pass, `_padding.rows` holds how many rows at the end of the batch
 # are padding (a scalar tensor, 0 or 1), and the sums leave them out.
 _padding = threading.local()

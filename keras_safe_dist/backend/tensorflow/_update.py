@@ -27,7 +27,7 @@ _SUM = tf.VariableAggregation.SUM
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 
-class UpdateEngine:
+class TensorFlowUpdateEngine:
     """Accumulators, counters and the update logic of one SafeDistributedModel."""
 
     LOG_NAMES = statistics.LOG_NAMES

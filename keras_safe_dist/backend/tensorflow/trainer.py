@@ -1,7 +1,7 @@
 """TensorFlow's train step for `SafeDistributedModel`, under `tf.distribute`.
 
 Each replica runs the forward and backward pass on its share of the
-micro-batch (`_step`), and the `UpdateEngine` (`_update.py`, beside this module)
+micro-batch (`_step`), and the `TensorFlowUpdateEngine` (`_update.py`, beside this module)
 accumulates, all-reduces once per update, clips and applies. What does not
 depend on the backend (the options, their validation, the loss
 numerator/denominator rule in `_loss`, the epoch boundary) is in
@@ -21,7 +21,7 @@ from keras_safe_dist.backend.tensorflow import _empty_shares as _shares
 from keras_safe_dist.backend.tensorflow import _per_worker
 from keras_safe_dist.backend.tensorflow import _xla
 from keras_safe_dist.backend.tensorflow import nan_probe
-from keras_safe_dist.backend.tensorflow._update import UpdateEngine
+from keras_safe_dist.backend.tensorflow._update import TensorFlowUpdateEngine
 from keras_safe_dist.backend.tensorflow._update import all_reduced_totals
 from keras_safe_dist.backend.tensorflow._update import loss_value
 from keras_safe_dist.core import _warnings
@@ -169,7 +169,7 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
                 self.optimizer.build(self.trainable_variables)
         # XLA cannot resize a variable, so a step it compiles whole sums the
         # rows of sparse gradients.
-        self._update_engine = UpdateEngine(self, rows=not self.jit_compile)
+        self._update_engine = TensorFlowUpdateEngine(self, rows=not self.jit_compile)
         self._nan_link.statistics = self._update_engine.stats
         self._nan_link.probe = None
         if self._nan_probe_request is not None:
@@ -306,7 +306,7 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         return logs
 
     def _update_log_names(self):
-        names = UpdateEngine.LOG_NAMES if self._stats_logged else ()
+        names = TensorFlowUpdateEngine.LOG_NAMES if self._stats_logged else ()
         if self._nan_link.probe is not None:
             names += self._nan_link.probe.log_names
         return names

@@ -1,24 +1,25 @@
-"""The tiny model, data and measurements the in-process probes share.
+"""The tiny model on TensorFlow: `shared_probes.tiny.Tiny` over a `tf.distribute` strategy.
 
-Every probe builds the same 4-3-1 tanh MLP from a fixed seed, trains it with
-plain SGD on fixed regression data, and compares one optimizer update (the
-change of the weights) with a reference update from stock Keras on one
-device. Sizes scale with the number of replicas so that every probe splits
-its batches the way it means to on any replica count.
+A place here is a strategy: the probes' MirroredStrategy over the replicas,
+or TensorFlow's default strategy for stock Keras on one device (the
+reference). The model, data and measurement are `shared_probes/tiny.py`'s,
+re-exported for the TensorFlow probes.
 """
 
-
-import keras
-import numpy as np
 import tensorflow as tf
 
-from keras_safe_dist.doctor._shared import data
-from keras_safe_dist.doctor._shared import quiet
-from keras_safe_dist.doctor._shared import sgd
+from keras_safe_dist.doctor.shared_probes.tiny import SEED
+from keras_safe_dist.doctor.shared_probes.tiny import compiled_mlp
+from keras_safe_dist.doctor.shared_probes.tiny import data
+from keras_safe_dist.doctor.shared_probes.tiny import fit_update
+from keras_safe_dist.doctor.shared_probes.tiny import quiet
+from keras_safe_dist.doctor.shared_probes.tiny import relative_deviation
+from keras_safe_dist.doctor.shared_probes.tiny import sgd
 
 __all__ = [
     "SEED",
     "data",
+    "devices",
     "mlp",
     "one_device",
     "quiet",
@@ -27,7 +28,15 @@ __all__ = [
     "update",
 ]
 
-SEED = 7
+
+def devices(strategy):
+    """How many replicas `strategy` splits a batch over."""
+    return strategy.num_replicas_in_sync
+
+
+def one_device():
+    """TensorFlow's default strategy: stock Keras on one device."""
+    return tf.distribute.get_strategy()
 
 
 def mlp(cls, strategy, optimizer=None, weights=None, **options):
@@ -43,49 +52,18 @@ def mlp(cls, strategy, optimizer=None, weights=None, **options):
         **options: passed to `cls`.
     """
     with strategy.scope():
-        keras.utils.set_random_seed(SEED)
-        inputs = keras.Input((4,))
-        hidden = keras.layers.Dense(3, activation="tanh", name="hidden")(inputs)
-        model = cls(inputs, keras.layers.Dense(1, name="out")(hidden), **options)
-        model.compile(optimizer=(optimizer or sgd)(), loss="mse")
+        model = compiled_mlp(cls, optimizer, **options)
     if weights is not None:
         model.set_weights(weights)
     return model
 
 
-def one_device():
-    """TensorFlow's default strategy: stock Keras on one device."""
-    return tf.distribute.get_strategy()
+def update(model, strategy, x, y, batch_size, from_batch=0):
+    """Fits one epoch; returns the change of the weights after batch `from_batch - 1`.
 
-
-def update(model, x, y, batch_size, from_batch=0):
-    """Fits one epoch; returns the change of the weights after batch `from_batch - 1`."""
-    marker = _WeightsAfter(from_batch - 1)
-    before = model.get_weights()
-    with quiet():
-        model.fit(
-            x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
-            callbacks=[marker],
-        )
-    start = marker.weights if from_batch > 0 else before
-    return np.concatenate(
-        [(after - first).ravel() for after, first in zip(model.get_weights(), start)]
-    )
-
-
-def relative_deviation(expected, actual):
-    """`||actual - expected|| / ||expected||`."""
-    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-12))
-
-
-class _WeightsAfter(keras.callbacks.Callback):
-    """Keeps a copy of the weights after batch `batch` (a host read, probes only)."""
-
-    def __init__(self, batch):
-        super().__init__()
-        self.batch = batch
-        self.weights = None
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == self.batch:
-            self.weights = self.model.get_weights()
+    A Keras model on TensorFlow fits under the strategy it was built in,
+    wherever `fit` is called: `strategy` (that one) is taken for the
+    interface JAX's `_tiny.update` shares, which needs its distribution.
+    """
+    del strategy
+    return fit_update(model, x, y, batch_size, from_batch)

@@ -40,12 +40,12 @@ def main(argv=None):
     batch = 2 * replicas  # two even global batches
     reference = _tiny.mlp(keras.Model, _tiny.one_device())
     start = reference.get_weights()
-    expected = _tiny.update(reference, x, y, batch)
+    expected = _tiny.update(reference, _tiny.one_device(), x, y, batch)
     classes = {"stock": keras.Model, "safe": SafeDistributedModel}
 
     def side(cls):
         model = _tiny.mlp(cls, strategy, weights=start)
-        value = _tiny.relative_deviation(expected, _tiny.update(model, x, y, batch))
+        value = _tiny.relative_deviation(expected, _tiny.update(model, strategy, x, y, batch))
         return Side(value <= TOLERANCE, value)
 
     for name in args.sides.split(","):

@@ -4,48 +4,15 @@ Stock Keras applies a NaN gradient: the weights and Adam's moments become
 NaN and the step counter moves. SafeDistributedModel (`skip_nonfinite=True`,
 the default) skips the update on every replica together. The figure is how
 many of the model's weights and optimizer variables one step with a NaN
-input changed: 0 is correct.
+input changed: 0 is correct. The measurement is `shared_probes/nonfinite.py`.
 """
 
-import keras
-import numpy as np
+import functools
 
 from keras_safe_dist.doctor.probe import Probe
-from keras_safe_dist.doctor.probe import Side
-from keras_safe_dist.doctor.probe import measure
 from keras_safe_dist.doctor.probes import _tiny
-from keras_safe_dist.model import SafeDistributedModel
+from keras_safe_dist.doctor.shared_probes import nonfinite as shared
 
 __all__ = ["PROBE"]
 
-
-def run(strategy):
-    replicas = strategy.num_replicas_in_sync
-    batch = 4 * replicas
-    x, y = _tiny.data(batch)
-    poisoned = x.copy()
-    poisoned[0, 0] = np.nan
-
-    def side(cls):
-        model = _tiny.mlp(cls, strategy, optimizer=lambda: keras.optimizers.Adam(0.01))
-        _tiny.update(model, x, y, batch)  # builds Adam's moments
-        variables = model.weights + model.optimizer.variables
-        before = [v.numpy().copy() for v in variables]
-        _tiny.update(model, poisoned, y, batch)
-        changed = sum(
-            not np.array_equal(old, v.numpy(), equal_nan=True)
-            for old, v in zip(before, variables)
-        )
-        return Side(changed == 0, changed)
-
-    return measure(lambda: side(keras.Model)), measure(lambda: side(SafeDistributedModel))
-
-
-PROBE = Probe(
-    name="nonfinite-skip",
-    checks=(
-        "one Adam step on a batch holding a NaN: weights and optimizer variables "
-        "changed (0 is correct)"
-    ),
-    run=run,
-)
+PROBE = Probe(name=shared.NAME, checks=shared.CHECKS, run=functools.partial(shared.run, _tiny))

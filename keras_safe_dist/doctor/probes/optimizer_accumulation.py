@@ -31,12 +31,12 @@ def run(strategy):
             keras.Model, strategy,
             optimizer=lambda: _tiny.sgd(gradient_accumulation_steps=STEPS),
         )
-        _tiny.update(model, x, y, micro_batch)
+        _tiny.update(model, strategy, x, y, micro_batch)
         return _updates(model, GROUPS)
 
     def safe():
         model = _tiny.mlp(SafeDistributedModel, strategy, gradient_accumulation_steps=STEPS)
-        _tiny.update(model, x, y, micro_batch)
+        _tiny.update(model, strategy, x, y, micro_batch)
         return _updates(model, GROUPS)
 
     return measure(stock), measure(safe)

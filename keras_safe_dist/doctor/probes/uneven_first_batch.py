@@ -27,11 +27,11 @@ def run(strategy):
     batch = 4 * replicas
     reference = _tiny.mlp(keras.Model, _tiny.one_device())
     start = reference.get_weights()
-    expected = _tiny.update(reference, x, y, batch)
+    expected = _tiny.update(reference, _tiny.one_device(), x, y, batch)
 
     def side(cls):
         model = _tiny.mlp(cls, strategy, weights=start)
-        value = _tiny.relative_deviation(expected, _tiny.update(model, x, y, batch))
+        value = _tiny.relative_deviation(expected, _tiny.update(model, strategy, x, y, batch))
         return Side(value <= TOLERANCE, value)
 
     return measure(lambda: side(keras.Model)), measure(lambda: side(SafeDistributedModel))

@@ -29,12 +29,12 @@ def run(strategy):
     x, y = _tiny.data(batch + replicas + 1)
     reference = _tiny.mlp(keras.Model, _tiny.one_device())
     start = reference.get_weights()
-    expected = _tiny.update(reference, x, y, batch, from_batch=1)
+    expected = _tiny.update(reference, _tiny.one_device(), x, y, batch, from_batch=1)
 
     def side(cls):
         model = _tiny.mlp(cls, strategy, weights=start)
         value = _tiny.relative_deviation(
-            expected, _tiny.update(model, x, y, batch, from_batch=1)
+            expected, _tiny.update(model, strategy, x, y, batch, from_batch=1)
         )
         return Side(value <= TOLERANCE, value)
 

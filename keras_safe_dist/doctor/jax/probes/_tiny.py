@@ -1,20 +1,20 @@
-"""The tiny model, data and measurements the JAX probes share.
+"""The tiny model on JAX: `shared_probes.tiny.Tiny` over a `keras.distribution.DataParallel`.
 
-The same 4-3-1 tanh MLP, seed, SGD and regression data as the TensorFlow
-probes' `probes/_tiny.py`, built and trained under a
-`keras.distribution.DataParallel` (the probes' devices) or with no
-distribution (one device, the reference).
+A place here is the probes' `DataParallel` over the devices, or None for
+stock Keras on one device (the reference). The model, data and measurement
+are `shared_probes/tiny.py`'s, the TensorFlow probes' too, re-exported for
+the JAX probes.
 """
 
 import contextlib
 
-import keras
-import numpy as np
-
-# The same data, optimizer and quieting as the TensorFlow probes.
-from keras_safe_dist.doctor._shared import data
-from keras_safe_dist.doctor._shared import quiet
-from keras_safe_dist.doctor._shared import sgd
+from keras_safe_dist.doctor.shared_probes.tiny import SEED
+from keras_safe_dist.doctor.shared_probes.tiny import compiled_mlp
+from keras_safe_dist.doctor.shared_probes.tiny import data
+from keras_safe_dist.doctor.shared_probes.tiny import fit_update
+from keras_safe_dist.doctor.shared_probes.tiny import quiet
+from keras_safe_dist.doctor.shared_probes.tiny import relative_deviation
+from keras_safe_dist.doctor.shared_probes.tiny import sgd
 
 __all__ = [
     "SEED",
@@ -22,18 +22,22 @@ __all__ = [
     "devices",
     "mlp",
     "on",
+    "one_device",
     "quiet",
     "relative_deviation",
     "sgd",
     "update",
 ]
 
-SEED = 7
-
 
 def devices(distribution):
     """How many devices `distribution` spreads a batch over (1 for None)."""
     return 1 if distribution is None else len(distribution.device_mesh.devices.ravel())
+
+
+def one_device():
+    """None: no distribution, stock Keras on one device."""
+    return None
 
 
 @contextlib.contextmanager
@@ -57,28 +61,13 @@ def mlp(cls, distribution, optimizer=None, weights=None, **options):
         **options: passed to `cls`.
     """
     with on(distribution):
-        keras.utils.set_random_seed(SEED)
-        inputs = keras.Input((4,))
-        hidden = keras.layers.Dense(3, activation="tanh", name="hidden")(inputs)
-        model = cls(inputs, keras.layers.Dense(1, name="out")(hidden), **options)
-        model.compile(optimizer=(optimizer or sgd)(), loss="mse")
+        model = compiled_mlp(cls, optimizer, **options)
         if weights is not None:
             model.set_weights(weights)
     return model
 
 
-def update(model, distribution, x, y, batch_size):
-    """Fits one epoch under `distribution`; returns the change of the weights."""
-    before = model.get_weights()
-    with on(distribution), quiet():
-        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
-    return np.concatenate(
-        [(after - first).ravel() for after, first in zip(model.get_weights(), before)]
-    )
-
-
-def relative_deviation(expected, actual):
-    """`||actual - expected|| / ||expected||`."""
-    expected, actual = np.asarray(expected), np.asarray(actual)
-    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-12))
-
+def update(model, distribution, x, y, batch_size, from_batch=0):
+    """Fits one epoch under `distribution`; returns the change of the weights after batch `from_batch - 1`."""
+    with on(distribution):
+        return fit_update(model, x, y, batch_size, from_batch)

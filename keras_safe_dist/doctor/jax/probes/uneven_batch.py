@@ -27,12 +27,12 @@ def run(distribution):
     # 2 x devices + 1 samples: one batch that leaves a remainder of 1.
     x, y = _tiny.data(2 * _tiny.devices(distribution) + 1)
     batch = len(x)
-    reference = _tiny.mlp(keras.Model, None)
+    reference = _tiny.mlp(keras.Model, _tiny.one_device())
     start = reference.get_weights()
     expected = {
         "evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
         "predict": reference.predict(x, batch_size=batch, verbose=0),
-        "fit": _tiny.update(reference, None, x, y, batch),
+        "fit": _tiny.update(reference, _tiny.one_device(), x, y, batch),
     }
 
     def side(cls):
