@@ -65,40 +65,42 @@ def test_a_model_built_under_the_distribution_or_without_one_has_no_jax002():
     assert keras_safe_dist.audit(_model(SafeDistributedModel)).codes() == ("JAX001",)
 
 
-def test_jax001_of_audit_says_what_ran_and_why_the_rest_does_not_apply():
+def test_jax001_of_audit_says_what_ran_and_what_does_not_apply():
     (finding,) = keras_safe_dist.audit(_model(SafeDistributedModel)).findings
     assert finding.severity == "info"
     assert finding.message == (
-        "On Keras's JAX backend audit() ran MODE003 and JAX002; its aggregation, scope, "
-        "stock model checks (AGG*, SCOPE*, DIST*) are tf.distribute's and do not apply "
-        "(aggregation: variables are global arrays, not per-replica copies that "
-        "tf.distribute aggregates; scope: there is no strategy scope; a variable takes its "
-        "layout from the keras.distribution distribution set when it is created, which "
-        "audit() checks as JAX002; stock model: XLA reduces the whole batch's gradient "
-        "inside the step, so a stock model clips and weights the loss as on one device)."
+        "On JAX, audit() ran MODE003 and JAX002; AGG* (aggregation), SCOPE* (scope), DIST* "
+        "(stock model) are tf.distribute's checks and do not apply."
     )
     assert finding.fix == (
         "Nothing to fix: those checks run on the TensorFlow backend under a tf.distribute "
-        "strategy."
+        "strategy (why each does not apply on JAX: docs/audits.md, 'On the JAX backend')."
     )
 
 
 def test_jax001_of_the_training_mode_audit_says_it_ran_mode001_and_mode003():
     finding = not_applicable("TrainingModeAudit", ("replica copies",))
     assert finding.message == (
-        "On Keras's JAX backend TrainingModeAudit ran MODE001 and MODE003; its replica "
-        "copies checks (MODE002, MODE004) are tf.distribute's and do not apply (replica "
-        "copies: non-trainable state is one global array, with no per-replica copies to "
-        "differ)."
+        "On JAX, TrainingModeAudit ran MODE001 and MODE003; MODE002, MODE004 (replica copies) "
+        "are tf.distribute's checks and do not apply."
     )
 
 
 def test_jax001_of_an_audit_with_nothing_to_run_says_so():
     finding = not_applicable("ScopeAudit", ("scope",))
-    assert finding.message.startswith(
-        "On Keras's JAX backend ScopeAudit has no check to run: its scope checks (SCOPE*) "
-        "are tf.distribute's and do not apply (scope: there is no strategy scope;"
+    assert finding.message == (
+        "On JAX, ScopeAudit ran no check; SCOPE* (scope) are tf.distribute's checks and do not apply."
     )
+
+
+def test_the_reasons_jax001_points_at_are_in_the_docs():
+    # The message names the codes only; docs/audits.md gives each family's reason.
+    from keras_safe_dist.audits.jax_backend import NOT_ON_JAX
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "audits.md").read_text()
+    section = text[text.index("## On the JAX backend") :]
+    for family, (codes, why) in NOT_ON_JAX.items():
+        assert f"| {codes} ({family}) | {why} |" in section
 
 
 def test_the_jax_codes_are_registered_and_documented():

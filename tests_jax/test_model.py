@@ -497,7 +497,7 @@ def test_on_tensorflow_the_package_works_without_jax():
     env.pop("XLA_FLAGS", None)
     code = (
         "import sys; sys.modules['jax'] = None; import keras_safe_dist; "
-        "print(keras_safe_dist.backend.Trainer.__module__, "
+        "print(keras_safe_dist.model.Trainer.__module__, "
         "'keras_safe_dist.backend.jax' in sys.modules)"
     )
     result = subprocess.run(
@@ -509,7 +509,7 @@ def test_on_tensorflow_the_package_works_without_jax():
 
 
 def test_the_jax_trainer_is_the_backend_in_use():
-    assert keras_safe_dist.backend.Trainer.__module__ == "keras_safe_dist.backend.jax.trainer"
+    assert keras_safe_dist.model.Trainer.__module__ == "keras_safe_dist.backend.jax.trainer"
     assert len(jax.devices()) == 2
 
 

@@ -65,22 +65,19 @@ def not_applicable(subject, families):
     ```python
     finding = not_applicable("TrainingModeAudit", ["replica copies"])
     print(finding.message)
-    # On Keras's JAX backend TrainingModeAudit ran MODE001 and MODE003; MODE002, MODE004
-    # (replica copies): tf.distribute's checks, which do not apply.
+    # On JAX, TrainingModeAudit ran MODE001 and MODE003; MODE002, MODE004 (replica
+    # copies) are tf.distribute's checks and do not apply.
     ```
     """
     ran = RUN_ON_JAX.get(subject)
     codes = ", ".join(f"{NOT_ON_JAX[family][0]} ({family})" for family in families)
-    if ran:
-        done = f"On Keras's JAX backend {subject} ran {ran}"
-    else:
-        done = f"On Keras's JAX backend {subject} has no check to run"
+    done = f"On JAX, {subject} ran {ran}" if ran else f"On JAX, {subject} ran no check"
     # One sentence: `report` merges an audit's JAX001 with the others' into one row.
     # The reasons, in JAX's terms, are `NOT_ON_JAX`'s, listed in docs/audits.md.
     return Finding.of(
         "JAX001",
         subject,
-        f"{done}; {codes}: tf.distribute's checks, which do not apply.",
+        f"{done}; {codes} are tf.distribute's checks and do not apply.",
         "Nothing to fix: those checks run on the TensorFlow backend under a tf.distribute "
         "strategy (why each does not apply on JAX: docs/audits.md, 'On the JAX backend').",
     )
