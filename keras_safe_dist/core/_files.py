@@ -13,7 +13,10 @@ import shutil
 
 from keras_safe_dist.core._lazy import tensorflow as tf
 
-__all__ = ["exists", "isdir", "listdir", "makedirs", "open_file", "remote", "remove", "rename"]
+__all__ = [
+    "exists", "isdir", "listdir", "makedirs", "open_file", "remote", "remove", "rename",
+    "written_whole",
+]
 
 
 def remote(path):
@@ -106,3 +109,35 @@ def remove(path):
                 tf.io.gfile.remove(path)
     except FileNotFoundError:
         pass
+
+
+@contextlib.contextmanager
+def written_whole(path, mode="w"):
+    """A local file object whose content replaces `path` in one step when the block ends.
+
+    The content goes to a file beside `path`, flushed to disk, which then
+    replaces `path`: a reader sees the previous file or the new one, never
+    half of one. When the block raises, `path` is left as it was and the
+    file beside it removed.
+
+    Args:
+        path: the local file to write.
+        mode: `"w"` (text, UTF-8) or `"wb"`.
+
+    Example:
+
+    ```python
+    with written_whole("report.json") as f:
+        f.write(text)
+    ```
+    """
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

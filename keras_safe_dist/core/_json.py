@@ -13,7 +13,8 @@ It imports neither TensorFlow nor Keras (the `report` command uses it).
 import json
 import math
 import numbers
-import os
+
+from keras_safe_dist.core import _files
 
 __all__ = ["NON_FINITE", "dumps", "strict", "write"]
 
@@ -81,14 +82,6 @@ def write(path, data):
         `path`.
     """
     text = dumps(data, indent=2, sort_keys=True) + "\n"
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with _files.written_whole(path) as f:
+        f.write(text)
     return path

@@ -13,6 +13,7 @@ imported when a picture is drawn; it draws with its Agg canvas, off screen
 import math
 import os
 
+from keras_safe_dist.core import _files
 from keras_safe_dist.report._log_dir import LogDirReport
 from keras_safe_dist.update.statistics import STATISTICS
 from keras_safe_dist.update.statistics import spread_names
@@ -230,13 +231,5 @@ def _x_label(pers):
 
 def _save(figure, path, fmt):
     """Writes the figure beside `path`, then moves it into place."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            figure.savefig(f, format=fmt)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with _files.written_whole(path, "wb") as f:
+        figure.savefig(f, format=fmt)
