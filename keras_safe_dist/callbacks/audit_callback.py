@@ -6,7 +6,7 @@ import keras
 
 from keras_safe_dist.core import _validate
 from keras_safe_dist.findings import CODES
-from keras_safe_dist.report import writer as summaries
+from keras_safe_dist.report import writer
 from keras_safe_dist.scale_out.distributed import is_chief
 from keras_safe_dist.scale_out.distributed import strategy_of
 
@@ -149,7 +149,7 @@ class AuditCallback(keras.callbacks.Callback):
         report = type(report)(report.name, report.findings, ignore=self.ignore)
         self.report = report
         if self.log_dir is not None:
-            summaries.write_report(
+            writer.write_report(
                 self.log_dir,
                 report,
                 step,

@@ -15,7 +15,7 @@ from keras_safe_dist.audits.stock import warn_no_update_statistics
 from keras_safe_dist.core import _files
 from keras_safe_dist.core import _validate
 from keras_safe_dist.report import _events
-from keras_safe_dist.report import writer as summaries
+from keras_safe_dist.report import writer
 from keras_safe_dist.scale_out.distributed import is_chief
 from keras_safe_dist.scale_out.distributed import strategy_of
 from keras_safe_dist.update.statistics import LOG_NAMES
@@ -204,7 +204,7 @@ class Dashboard(keras.callbacks.Callback):
 
     def _open(self):
         """A new event file, starting with the layout."""
-        with summaries.writing("Dashboard", self.log_dir):
+        with writer.writing("Dashboard", self.log_dir):
             self._writer = _events.EventFileWriter(os.path.join(self.log_dir, self.run))
             # Each event file gives each tag's description once, with its first value.
             self._metadata = {
@@ -253,7 +253,7 @@ class Dashboard(keras.callbacks.Callback):
             if name in logs
         ]
         self._reopen_if_removed()
-        with summaries.writing("Dashboard", self.log_dir):
+        with writer.writing("Dashboard", self.log_dir):
             if values:
                 self._writer.write(epoch, values)
             self._writer.flush()
@@ -265,7 +265,7 @@ class Dashboard(keras.callbacks.Callback):
         if _files.remote(path) or os.path.exists(path):
             return
         self._writer.close()
-        summaries.warn_recreated("Dashboard", path, os.path.join(self.log_dir, self.run))
+        writer.warn_recreated("Dashboard", path, os.path.join(self.log_dir, self.run))
         self._open()
 
     def on_train_end(self, logs=None):
@@ -304,7 +304,7 @@ class Dashboard(keras.callbacks.Callback):
                     )
                 )
         if values:
-            with summaries.writing("Dashboard", self.log_dir):
+            with writer.writing("Dashboard", self.log_dir):
                 self._writer.write(latest, values)
 
     def _close(self):

@@ -9,12 +9,12 @@ import keras
 from keras_safe_dist.core import _validate
 from keras_safe_dist.core import on_jax
 from keras_safe_dist.nan import flags as _nan_flags
-from keras_safe_dist.nan import onset_report as _nan_report
+from keras_safe_dist.nan import onset_report
 from keras_safe_dist.nan import rows as _nan_rows
 from keras_safe_dist.nan.link import link_of
-from keras_safe_dist.report import writer as summaries
+from keras_safe_dist.report import writer
 from keras_safe_dist.scale_out import distributed
-from keras_safe_dist.update import _rule as _stats
+from keras_safe_dist.update import _rule
 
 __all__ = ["NaNOnsetDetector"]
 
@@ -443,16 +443,16 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         named = shares if self._jax else {r: self._probe.named(share) for r, share in shares.items()}
         if report["kind"] == "inputs" and "process_rows" not in report:
             self._find_in_fit_arrays(report, named)
-        _nan_report.finish(report, self.action, self.max_consecutive_skips)
+        onset_report.finish(report, self.action, self.max_consecutive_skips)
         try:
-            _nan_report.write(
+            onset_report.write(
                 report, self.log_dir, named, report["step"], distributed.strategy_of(model)
             )
         except OSError as error:
             # The report is what the user needs: keep it, print it, and say
             # what could not be written.
             report["files"] = {}
-            report["summary"] = _nan_report.paragraph(report)
+            report["summary"] = onset_report.paragraph(report)
             warnings.warn(
                 f"NaNOnsetDetector could not write its report to log_dir={self.log_dir!r}: "
                 f"{error}. The report is printed below and kept in `detector.report`.",
@@ -472,7 +472,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             report["array_rows"] = _nan_rows.user_rows(arrays, named)
 
     def _onset_plain(self, report, weights, from_logs):
-        report["notes"].append(_nan_report.PLAIN_MODEL_NOTE)
+        report["notes"].append(onset_report.PLAIN_MODEL_NOTE)
         report["kind"] = "loss" if from_logs else "weights"
         report["variables"] = weights
         if self._plain_snapshots is not None and from_logs and self._previous is not None:
@@ -628,14 +628,14 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             self._report_skips(self._consecutive, epoch, batch)
 
     def _report_skips(self, count, epoch, batch):
-        finding = _nan_report.skips_finding(count, epoch, batch)
+        finding = onset_report.skips_finding(count, epoch, batch)
         print(f"NaNOnsetDetector: {finding.message}; training stopped. {finding.fix}")
         if self.report is not None:
             self.report["skips"] = finding.to_dict()
             if self.log_dir is not None:
-                summaries.write_json(
+                writer.write_json(
                     self.log_dir,
-                    _nan_report.REPORT_FILE,
+                    onset_report.REPORT_FILE,
                     self.report,
                     strategy=distributed.strategy_of(self.model),
                     who="NaNOnsetDetector",
@@ -648,6 +648,6 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     def _updates_in_epoch(self):
         stats = self._link.statistics.numpy()
-        return int(stats[_stats.index("updates_in_epoch")])
+        return int(stats[_rule.index("updates_in_epoch")])
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from keras_safe_dist.findings import Finding
 from keras_safe_dist.findings import markdown_row
-from keras_safe_dist.report import writer as summaries
+from keras_safe_dist.report import writer
 from keras_safe_dist.scale_out.distributed import is_chief
 
 __all__ = [
@@ -193,13 +193,13 @@ def write(report, log_dir, shares, step, strategy):
         report["files"]["batch"] = os.path.join(log_dir, BATCH_FILE)
     report["files"]["report"] = os.path.join(log_dir, REPORT_FILE)
     report["summary"] = paragraph(report)
-    with summaries.writing("NaNOnsetDetector", log_dir):
+    with writer.writing("NaNOnsetDetector", log_dir):
         if shares:
             os.makedirs(log_dir, exist_ok=True)
             np.savez(report["files"]["batch"], **_batch_arrays(shares))
     who = "NaNOnsetDetector"
-    summaries.write_json(log_dir, REPORT_FILE, report, strategy=strategy, who=who)
-    summaries.write_text(log_dir, TAG, markdown(report), step=step, strategy=strategy, who=who)
+    writer.write_json(log_dir, REPORT_FILE, report, strategy=strategy, who=who)
+    writer.write_text(log_dir, TAG, markdown(report), step=step, strategy=strategy, who=who)
 
 
 def skips_finding(count, epoch, batch):

@@ -22,7 +22,7 @@ from keras_safe_dist.audits.train_step._state import host_values
 from keras_safe_dist.audits.train_step._trace import trace_afresh
 from keras_safe_dist.core import _validate
 from keras_safe_dist.findings import AuditReport
-from keras_safe_dist.report import writer as summaries
+from keras_safe_dist.report import writer
 
 __all__ = ["audit_train_step"]
 
@@ -137,7 +137,7 @@ def audit_train_step(
     findings += state_findings(train_state, history, recorder, optimizer, metrics)
     report = AuditReport(REPORT_NAME, findings + layout_findings)
     if log_dir is not None and (layout.is_chief() if layout else True):
-        summaries.write_report(
+        writer.write_report(
             log_dir, report, extra={"train_step": name, "steps": steps}, who="audit_train_step"
         )
     return report

@@ -20,7 +20,7 @@ from keras_safe_dist import _compat
 from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax.nan_watch import OnsetWatch
 from keras_safe_dist.update import _loss
-from keras_safe_dist.update import _rule as _stats
+from keras_safe_dist.update import _rule
 from keras_safe_dist.update import statistics
 
 __all__ = ["JAXUpdateEngine"]
@@ -70,7 +70,7 @@ class JAXUpdateEngine:
                 ops.zeros((_TOTALS,), self.dtype), trainable=False, name="safe_dist_totals"
             )
         self.stats = keras.Variable(
-            ops.zeros((len(_stats.FIELDS),), "float32"), trainable=False, name="safe_dist_stats"
+            ops.zeros((len(_rule.FIELDS),), "float32"), trainable=False, name="safe_dist_stats"
         )
         self.variables = [*self.sums, *([] if self.totals is None else [self.totals]), self.stats]
         # A NaNOnsetDetector's in-step record (see `nan_watch`), threaded
@@ -129,7 +129,7 @@ class JAXUpdateEngine:
             return False
         model = self.model
         pending = int(self.totals.value[3])
-        skipped_before = float(self.stats.value[_stats.index("skipped_updates")])
+        skipped_before = float(self.stats.value[_rule.index("skipped_updates")])
         trainable = [v.value for v in model.trainable_variables]
         optimizer_values = [v.value for v in model.optimizer.variables]
         values = [v.value for v in self.variables]
@@ -145,22 +145,22 @@ class JAXUpdateEngine:
         for variable, value in zip(self.variables, values):
             variable.assign(value)
         if self.watch is not None:
-            skipped = float(self.stats.value[_stats.index("skipped_updates")]) > skipped_before
+            skipped = float(self.stats.value[_rule.index("skipped_updates")]) > skipped_before
             self.watch.after_flush(skipped, pending)
         return True
 
     def logs(self, values=None):
         """The values this engine adds to the logs (from `values`, or the variables)."""
         stats = values[-1] if values is not None else self.stats.value
-        return _stats.logs(stats)
+        return _rule.logs(stats)
 
     def updates_in_epoch(self):
         """The updates applied in this epoch so far (one host read)."""
-        return int(np.asarray(self.stats.value)[_stats.index("updates_in_epoch")])
+        return int(np.asarray(self.stats.value)[_rule.index("updates_in_epoch")])
 
     def first_skip(self):
         """`(update index, samples)` of the epoch's first skipped update, or None."""
-        return _stats.first_skip(np.asarray(self.stats.value).tolist())  # one read
+        return _rule.first_skip(np.asarray(self.stats.value).tolist())  # one read
 
     # Traced inside the step.
 
@@ -350,7 +350,7 @@ class JAXUpdateEngine:
         else:
             trainable, optimizer_values = apply((trainable, optimizer_values))
             applied = jnp.ones((), "float32")
-        stats = _stats.after_update(stats, applied, norm, clipped, samples)
+        stats = _rule.after_update(stats, applied, norm, clipped, samples)
         if hold is not None:
             stats = jnp.where(hold, old_stats, stats)
         return list(trainable), list(optimizer_values), stats
@@ -414,7 +414,7 @@ class JAXUpdateEngine:
 
 # The statistics at a fit()'s and an epoch's start, from those before.
 _RESET_FIT = jax.jit(jnp.zeros_like)
-_RESET_EPOCH = jax.jit(lambda stats: stats * np.asarray(_stats.KEPT_ACROSS_EPOCHS, "float32"))
+_RESET_EPOCH = jax.jit(lambda stats: stats * np.asarray(_rule.KEPT_ACROSS_EPOCHS, "float32"))
 
 
 def _global_norm(tensors):

@@ -26,7 +26,7 @@ import keras
 import numpy as np
 
 from keras_safe_dist import _compat
-from keras_safe_dist.backend.jax import _process_batch as _shares
+from keras_safe_dist.backend.jax import _process_batch
 from keras_safe_dist.nan.replay import wrapped_calls
 
 __all__ = ["Found", "JAXSnapshots", "locate", "nonfinite_weights"]
@@ -94,7 +94,7 @@ def locate(model, batches):
         # Every process replays the same global batches (each takes the same
         # decision on the same logs), whole on every device so that rows can
         # be read on the host.
-        batches = [_shares.replicated(batch) for batch in batches]
+        batches = [_process_batch.replicated(batch) for batch in batches]
     for index, batch in enumerate(batches):
         try:
             found = _replay(model, *keras.utils.unpack_x_y_sample_weight(batch))
@@ -108,14 +108,14 @@ def locate(model, batches):
 
 def process_rows(batch, rows):
     """`[(process, row of its local batch), ...]` for rows of a global batch; None in one process."""
-    sizes = _shares.sizes_of(batch) if jax.process_count() > 1 else None
-    return None if sizes is None else _shares.process_rows(sizes, rows)
+    sizes = _process_batch.sizes_of(batch) if jax.process_count() > 1 else None
+    return None if sizes is None else _process_batch.process_rows(sizes, rows)
 
 
 def named_arrays(batch):
     """`(names, arrays)` of a micro-batch, as NumPy, for `nan_onset_batch.npz`."""
     if jax.process_count() > 1:
-        batch = _shares.replicated(batch)
+        batch = _process_batch.replicated(batch)
     names, arrays = [], []
     for name, part in zip(("x", "y", "sample_weight"), keras.utils.unpack_x_y_sample_weight(batch)):
         flat = [a for a in keras.tree.flatten(part) if a is not None]

@@ -39,7 +39,7 @@ import keras
 import numpy as np
 
 from keras_safe_dist.backend.jax import _compat as _jax_compat
-from keras_safe_dist.update import _rule as _stats
+from keras_safe_dist.update import _rule
 
 __all__ = ["Onset", "OnsetWatch"]
 
@@ -48,10 +48,10 @@ STEPS, ONSET, KIND, CONSECUTIVE, LIMIT, POSITION = range(6)
 # Bits of the KIND field.
 LOSS, UPDATE = 1, 2
 
-_UPDATES = _stats.index("updates_in_epoch")
-_SKIPPED = _stats.index("skipped_in_epoch")
-_SKIPPED_TOTAL = _stats.index("skipped_updates")
-_NORM = _stats.index("grad_norm")
+_UPDATES = _rule.index("updates_in_epoch")
+_SKIPPED = _rule.index("skipped_in_epoch")
+_SKIPPED_TOTAL = _rule.index("skipped_updates")
+_NORM = _rule.index("grad_norm")
 
 
 class Onset(NamedTuple):

@@ -24,7 +24,7 @@ import keras
 
 from keras_safe_dist import _compat
 from keras_safe_dist.backend.jax import _compat as _jax_compat
-from keras_safe_dist.backend.jax import _process_batch as _shares
+from keras_safe_dist.backend.jax import _process_batch
 from keras_safe_dist.backend.jax import _watchdog
 from keras_safe_dist.backend.jax import processes
 from keras_safe_dist.backend.jax import variable_layout
@@ -86,13 +86,13 @@ class JAXTrainer(_compat.EpochEndOverride):
     def fit(self, *args, **kwargs):
         processes.check_joined("fit")
         processes.check_same_call("fit", self, _epochs(args, kwargs))
-        with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
+        with _jax_compat.uneven_batches_replicated(), _process_batch.agreed_iterators(), _failures_reported():
             return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
         processes.check_joined("evaluate")
         processes.check_same_call("evaluate", self)
-        with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
+        with _jax_compat.uneven_batches_replicated(), _process_batch.agreed_iterators(), _failures_reported():
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
@@ -105,7 +105,7 @@ class JAXTrainer(_compat.EpochEndOverride):
             )
         processes.check_joined("predict")
         processes.check_same_call("predict", self)
-        with _jax_compat.uneven_batches_replicated(), _shares.agreed_iterators(), _failures_reported():
+        with _jax_compat.uneven_batches_replicated(), _process_batch.agreed_iterators(), _failures_reported():
             return super().predict(*args, **kwargs)
 
     def _new_distribution(self, kind):
@@ -140,9 +140,9 @@ class JAXTrainer(_compat.EpochEndOverride):
         def predict_function(state, iterator):
             # Each process gets back its own rows of the global batch.
             outputs, state = function(state, iterator)
-            sizes, process = _shares.last_step()
+            sizes, process = _process_batch.last_step()
             rows = keras.tree.map_structure(
-                lambda output: _shares.local_rows(output, sizes, process), outputs
+                lambda output: _process_batch.local_rows(output, sizes, process), outputs
             )
             return rows, state
 

@@ -19,7 +19,7 @@ from keras_safe_dist import _compat
 from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 from keras_safe_dist.backend.tensorflow._accumulate import Accumulators
 from keras_safe_dist.update import _loss
-from keras_safe_dist.update import _rule as _stats
+from keras_safe_dist.update import _rule
 from keras_safe_dist.update import statistics
 
 _ON_READ = tf.VariableSynchronization.ON_READ
@@ -76,8 +76,8 @@ class TensorFlowUpdateEngine:
             # micro-batches in the pending group, micro-batches seen this
             # epoch, micro-batches per epoch (-1: unknown)
             self.counters = self._mirrored([0, 0, -1], tf.int64)
-            # see _stats.FIELDS
-            self.stats = self._mirrored([0.0] * len(_stats.FIELDS), tf.float64)
+            # see _rule.FIELDS
+            self.stats = self._mirrored([0.0] * len(_rule.FIELDS), tf.float64)
         self.flush_function = tf.function(self._flush)
 
     def _mirrored(self, value, dtype):
@@ -89,13 +89,13 @@ class TensorFlowUpdateEngine:
 
     def begin_fit(self):
         self.counters.assign([0, 0, -1])
-        self.stats.assign(tf.zeros([len(_stats.FIELDS)], tf.float64))
+        self.stats.assign(tf.zeros([len(_rule.FIELDS)], tf.float64))
 
     def begin_epoch(self, steps):
         self.epoch_open = True
         steps = -1 if steps is None else int(steps)
         self.counters.assign(self.counters * [1, 0, 0] + [0, 0, steps])
-        self.stats.assign(self.stats * _stats.KEPT_ACROSS_EPOCHS)
+        self.stats.assign(self.stats * _rule.KEPT_ACROSS_EPOCHS)
 
     def end_epoch(self):
         """Applies the epoch's pending partial group, once per epoch.
@@ -121,14 +121,14 @@ class TensorFlowUpdateEngine:
 
     def logs(self):
         """The values this engine adds to each step's logs."""
-        return _stats.logs(self.stats.read_value())
+        return _rule.logs(self.stats.read_value())
 
     def first_skip(self):
         """`(update index, samples)` of the epoch's first skipped update, or None.
 
         Reads the counters on the host (one small read).
         """
-        return _stats.first_skip(self.stats.numpy().tolist())
+        return _rule.first_skip(self.stats.numpy().tolist())
 
     # In-graph logic.
 
@@ -418,7 +418,7 @@ class TensorFlowUpdateEngine:
         else:
             applied = apply_update()
         self.stats.assign(
-            _stats.after_update(self.stats.read_value(), applied, norm, clipped, samples)
+            _rule.after_update(self.stats.read_value(), applied, norm, clipped, samples)
         )
 
     def _apply_gradients(self, optimizer, grads):

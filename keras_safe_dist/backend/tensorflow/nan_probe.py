@@ -71,7 +71,7 @@ from keras_safe_dist.nan.flags import MAX_REPLICAS
 from keras_safe_dist.nan.flags import MAX_REPLICAS_FOR_FLOAT32
 from keras_safe_dist.nan.flags import MAX_REPLICAS_FOR_MASK
 from keras_safe_dist.nan.flags import base as _base
-from keras_safe_dist.update import _rule as _stats
+from keras_safe_dist.update import _rule
 
 __all__ = [
     "NaNProbe",
@@ -282,7 +282,7 @@ class NaNProbe:
         logs = {"nonfinite_replicas": _nonfinite_sum(groups, self._scales(), self.dtype)}
         if "applied_updates" in self.log_names:
             stats = self.model._update_engine.stats
-            logs["applied_updates"] = stats[_stats.index("updates_in_epoch")]
+            logs["applied_updates"] = stats[_rule.index("updates_in_epoch")]
         return logs
 
     # In-graph, cross-replica context: a multi-step execution's loop.

@@ -17,7 +17,7 @@ from keras_safe_dist import _compat
 from keras_safe_dist.audits import scope as _scope
 from keras_safe_dist.backend.tensorflow import _accumulate
 from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
-from keras_safe_dist.backend.tensorflow import _empty_shares as _shares
+from keras_safe_dist.backend.tensorflow import _empty_shares
 from keras_safe_dist.backend.tensorflow import _per_worker
 from keras_safe_dist.backend.tensorflow import _xla
 from keras_safe_dist.backend.tensorflow import nan_probe
@@ -225,7 +225,7 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
                 return self(inputs, training=training)
             return self(inputs)
 
-        return _shares.EmptyShareGuard(self).forward(x, call)
+        return _empty_shares.EmptyShareGuard(self).forward(x, call)
 
     def predict_step(self, data):
         """Stock `predict_step`, also on a replica whose share is empty."""
