@@ -262,3 +262,36 @@ def test_a_variable_like_another_is_laid_out_as_it_is_from_creation():
         assert made._layout is kernel._layout  # later assignments are placed there too
     np.testing.assert_array_equal(np.asarray(zeros.value), np.zeros((4, 6)))
     np.testing.assert_array_equal(np.asarray(copy.value), np.asarray(kernel.value))
+
+
+class _StepState(keras.callbacks.Callback):
+    """The type and keys of `_jax_state` after each step (read as `self._model`: no sync)."""
+
+    def on_train_begin(self, logs=None):
+        self.seen = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        state = getattr(self._model, "_jax_state", None)
+        if state is not None:
+            self.seen.append((type(state), sorted(state)))
+
+
+@pytest.mark.parametrize("safe", [False, True])
+def test_keras_puts_each_step_state_on_the_model_and_the_safe_model_keeps_it_untracked(safe):
+    from keras_safe_dist import SafeDistributedModel
+
+    inputs = keras.Input((3,))
+    model = (SafeDistributedModel if safe else keras.Model)(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    seen = _StepState()
+    x = np.ones((12, 3), "float32")
+    model.fit(x, x[:, :1], batch_size=4, verbose=0, callbacks=[seen])
+    keys = ["metrics_variables", "non_trainable_variables", "optimizer_variables",
+            "trainable_variables"]
+    # Set by Keras's loop after steps 1 and 2 (seen at the next step's start),
+    # through the attribute SafeDistributedModel sets without tracking.
+    assert _jax_compat.STEP_STATE_ATTRIBUTES == ("_jax_state",)
+    assert [k for _, k in seen.seen] == [keys, keys]
+    tracked = {t.__name__ for t, _ in seen.seen}
+    assert tracked == ({"dict"} if safe else {"TrackedDict"})
+    assert model._jax_state is None  # cleared at the end of fit()

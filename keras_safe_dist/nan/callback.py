@@ -492,9 +492,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             if self._act_on_record(onset):
                 return
         if self.report is None or (self.action == "continue" and not self._stopped_at_limit):
-            # `self._model`: Keras's `self.model` puts the state back on the
-            # model (jax_state_sync), which the next step would gather again.
-            self._pending = self._watch.start_read(self._model)
+            self._pending = self._watch.start_read()
 
     def _act_on_record(self, onset):
         """Reports an onset the record holds, and stops where it says; returns whether it acted."""

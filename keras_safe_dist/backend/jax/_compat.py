@@ -159,6 +159,22 @@ def lay_out_variable(variable, layout):
     variable.assign(variable.value)
 
 
+# Model attributes that Keras's JAX loops set at every step with the step's
+# state: the arrays, as a dict of lists (`fit`, `evaluate`, `predict`).
+STEP_STATE_ATTRIBUTES = ("_jax_state",)
+
+
+def set_untracked(model, name, value):
+    """Sets `model.name` without Keras's attribute tracking.
+
+    `Layer.__setattr__` walks every value it is given to find variables and
+    layers, wrapping each list and dict it meets; on the step's state (only
+    arrays) that finds nothing and costs about 1 microsecond an array on the
+    host, every step.
+    """
+    object.__setattr__(model, name, value)
+
+
 def latest_metrics_values(model):
     """The metrics' variables' values after the last step of Keras's JAX `fit()`, or None.
 

@@ -21,10 +21,13 @@ they are: the host may read the record some steps late and still find the
 state of the onset. With `"restore"` the onset step's own update is held
 too, so the weights are those from before the onset batch.
 
-The host reads the record without waiting on the device: every
-`check_every` steps the detector copies it (one small device copy) and
-starts its transfer (`copy_to_host_async`), and reads the copy started at
-the check before, by then on the host (`start_read`, `finish_read`). At an
+The host reads the record without waiting on the device and without a
+device operation of its own. The step also returns the record in its logs,
+which Keras does not donate to the next step; the train function takes it
+out of them (`log`, `take`), so Keras and the other callbacks never see it.
+Every `check_every` steps the detector starts the transfer of the latest
+one to the host (`copy_to_host_async`) and reads the one started at the
+check before, by then on the host (`start_read`, `finish_read`). At an
 epoch's end it reads the record directly, once. The batches of the last
 `2 * check_every + gradient_accumulation_steps` steps are kept by reference
 (`record_batch`), so that the onset's micro-batches can be replayed.
@@ -47,6 +50,8 @@ __all__ = ["Onset", "OnsetWatch"]
 STEPS, ONSET, KIND, CONSECUTIVE, LIMIT, POSITION = range(6)
 # Bits of the KIND field.
 LOSS, UPDATE = 1, 2
+# The step's log that carries the record out of the step (`log`, `take`).
+RECORD_LOG = "_safe_dist_nan_record"
 
 _UPDATES = _rule.index("updates_in_epoch")
 _SKIPPED = _rule.index("skipped_in_epoch")
@@ -131,6 +136,7 @@ class OnsetWatch:
         self.variables = [self.counts, self.history, *self.snapshot]
         self.batches = collections.deque(maxlen=2 * request.check_every + self.steps)
         self.pulled = 0
+        self.latest = None
 
     # Host side.
 
@@ -139,6 +145,7 @@ class OnsetWatch:
         self.counts.assign(np.zeros((6,), "int32"))
         self.batches.clear()
         self.pulled = 0
+        self.latest = None
 
     def record_batch(self, batch):
         """Keeps a reference to the batch the next step trains on (no copy)."""
@@ -157,21 +164,26 @@ class OnsetWatch:
             return first, []
         return first, [kept[step] for step in range(first, onset.step + 1)]
 
-    def start_read(self, model):
-        """Copies the latest record on the device and starts its transfer to the host.
+    def take(self, logs):
+        """Takes the record a step returned out of its logs (each step, on the host).
+
+        The step returns the record twice: in its state, which Keras donates
+        to the next step, and in its logs, which nothing donates. The
+        detector reads the second, later, without a copy on the device.
+        """
+        self.latest = logs.pop(RECORD_LOG)
+
+    def start_read(self):
+        """Starts the transfer to the host of the record the last step returned.
 
         Returns:
             A handle for `finish_read`, or None before the fit's first step.
         """
-        values = _jax_compat.latest_metrics_values(model)
-        if values is None:
+        if self.latest is None:
             return None
-        counts = values[self._index(model)]
-        # Keras donates the state to the next step: copy it first (one
-        # small computation on one device), then transfer the copy.
-        copy = jnp.copy(counts.addressable_data(0))
-        copy.copy_to_host_async()
-        return copy
+        handle = self.latest.addressable_data(0)
+        handle.copy_to_host_async()
+        return handle
 
     @staticmethod
     def finish_read(handle):
@@ -229,10 +241,6 @@ class OnsetWatch:
         for variable, value in zip(sources, values):
             variable.assign(value)
         return True
-
-    def _index(self, model):
-        variables = model.metrics_variables
-        return next(i for i, v in enumerate(variables) if v is self.counts)
 
     def frozen(self, counts):
         """Whether a step leaves the state as it is (a traced boolean)."""
@@ -308,6 +316,11 @@ class OnsetWatch:
         row = jnp.stack([logged_loss.astype("float32"), stats[_NORM].astype("float32")])
         history = jax.lax.dynamic_update_slice(history, row[None, :], (slot, 0))
         return [counts, history, *snapshot]
+
+    @staticmethod
+    def log(logs, values):
+        """Adds the record after a step (from `record`) to the step's logs, for `take`."""
+        logs[RECORD_LOG] = values[0]
 
     def snapshot_after(self, values, trainable0, optimizer0, frozen, loss):
         """With `action="restore"`: the copy of the weights and optimizer state, kept

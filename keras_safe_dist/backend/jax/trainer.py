@@ -36,6 +36,14 @@ from keras_safe_dist.update import statistics
 class JAXTrainer(_compat.EpochEndOverride):
     """The JAX half of `SafeDistributedModel`: its step, placed before `keras.Model`."""
 
+    def __setattr__(self, name, value):
+        # Keras's JAX loops put each step's state on the model; Keras's
+        # attribute tracking would walk all its arrays, on the host, every step.
+        if name in _jax_compat.STEP_STATE_ATTRIBUTES:
+            _jax_compat.set_untracked(self, name, value)
+            return
+        super().__setattr__(name, value)
+
     def _reset_step_state(self):
         # NaNOnsetDetector's in-step checks on TensorFlow; on JAX its record
         # is the update engine's `watch` (see `nan_watch`).
@@ -190,11 +198,14 @@ class JAXTrainer(_compat.EpochEndOverride):
         watch = self._update_engine.watch
         if watch is not None:
             # The detector replays the onset's micro-batches: keep references
-            # to the last steps' batches (no copy, no host transfer).
+            # to the last steps' batches (no copy, no host transfer). And the
+            # record leaves the logs before Keras sees them.
             function = self.train_function
 
             def train_function(state, iterator):
-                return function(state, _Recorded(iterator, watch))
+                logs, state = function(state, _Recorded(iterator, watch))
+                watch.take(logs)
+                return logs, state
 
             self.train_function = train_function
         return self.train_function
@@ -242,6 +253,7 @@ class JAXTrainer(_compat.EpochEndOverride):
             watch_values = engine.watch.record(
                 watch_values, stats0, engine_values, logged[0], logs.get("loss", logged[0]), frozen
             )
+            engine.watch.log(logs, watch_values)
         if self._stats_logged:
             logs.update(engine.logs(engine_values))
         state = (
