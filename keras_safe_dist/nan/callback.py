@@ -81,9 +81,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     `action="stop"` or `"restore"` every later step leaves the weights,
     optimizer state and non-trainable variables as they are. The detector
     reads no step's logs, so Keras keeps dispatching batch hooks
-    asynchronously: every `check_every` steps it starts an asynchronous copy
-    of the record to the host and reads the one started `check_every` steps
-    before, and it reads the record at each epoch's end. Training therefore
+    asynchronously: every `check_every` steps it starts the transfer to the
+    host of the record the last step returned (in its logs, which Keras does
+    not donate; the record is taken out of them before Keras sees them) and
+    reads the one started `check_every` steps before, and it reads the
+    record at each epoch's end. No device operation of its own. Training therefore
     stops at most `2 * check_every` steps after the onset (at the epoch's
     end at the latest), with the state of the onset. It then replays the
     micro-batches of the onset's accumulation group eagerly with
@@ -121,8 +123,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             updates in a row end training; integer >= 1.
         check_every: on JAX with a `SafeDistributedModel`, the steps between
             two reads of the step's record; integer >= 1. Smaller stops
-            sooner after an onset and keeps fewer batches; each read costs
-            one small device copy.
+            sooner after an onset and keeps fewer batches; each read is one
+            small host transfer, started `check_every` steps before it is read.
 
     Raises:
         ValueError: for an `action` other than `"stop"`, `"restore"` and
