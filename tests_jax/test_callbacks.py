@@ -431,3 +431,32 @@ def test_nan_detector_restore_puts_back_the_weights_before_an_epoch_s_last_updat
     assert report["restored_to"] == "before this batch"
     for restored, before in zip(model.get_weights(), overflow.before):
         np.testing.assert_array_equal(restored, before)
+
+
+class _Logs(keras.callbacks.Callback):
+    """The keys of each step's logs, and of each epoch's."""
+
+    def on_train_begin(self, logs=None):
+        self.steps, self.epochs = set(), set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.update(logs or {})
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.update(logs or {})
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_the_nan_record_never_reaches_the_logs_keras_and_callbacks_see(devices, steps_per_execution):
+    # The step returns its record in its logs for the detector (nan_watch's
+    # RECORD_LOG); the train function takes it out before Keras has them.
+    x, y, _ = regression_data(48)
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
+    seen = _Logs()
+    history = fit(model, x, y, [callbacks.NaNOnsetDetector(check_every=2), seen])
+    assert seen.steps == {"loss"}
+    assert seen.epochs == {"loss"}
+    assert set(history.history) == {"loss"}
+    logs = model.train_on_batch(x[:8], y[:8], return_dict=True)
+    assert set(logs) == {"loss"}
