@@ -17,7 +17,9 @@ with the per-`fit()` and per-epoch work cancelled out.
   model's step is made slow enough (a few milliseconds) that the host is
   always faster than the device unless it waits; on this noisy 2-core
   machine stock Keras still drains 0 to 3 times in 100 steps (a thread
-  descheduled), so drains are bounded, not counted exactly.
+  descheduled), and 8 times once in CI with another pytest worker beside
+  it, so drains are bounded, not counted exactly. The bound is far from
+  what a read of each step gives: 90 or more in 100 steps (asserted below).
 """
 
 import collections
@@ -38,7 +40,7 @@ from conftest import regression_data
 BATCH = 128
 FEATURES = 384
 # Drains in 100 steps that are the machine's noise, not a wait per step.
-NOISE = 5
+NOISE = 20
 
 
 class _Drains(keras.callbacks.Callback):
