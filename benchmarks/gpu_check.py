@@ -55,6 +55,13 @@ Usage, from the repository root:
              --deterministic  --steps-per-execution N  --only exactness|speed
              --profile (device time a step, by stream and kernel, from a
              jax.profiler trace of one epoch of each timed model)
+             --host-profile (cProfile of one epoch of stock, safe and safe
+             with the detector: the host's time a step, by function)
+             --steps-scale N (N times the steps in each timed epoch: a
+             cost that falls with N is paid per epoch, not per step)
+             --controls (the safe model also with its global norm summed
+             the other way, and with skip_nonfinite=False, in the same
+             rotation against stock)
     The JSON is rewritten after each model, so a run stopped at a time limit
     keeps the models it finished.
 """
@@ -85,6 +92,7 @@ import numpy as np  # noqa: E402
 
 import keras_safe_dist  # noqa: E402
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
+from keras_safe_dist.backend.jax import _update as _jax_update  # noqa: E402
 from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
 
 from _timing import interleave  # noqa: E402
@@ -121,6 +129,8 @@ SPEED = {  # model: (batch, steps an epoch full, quick)
     "transformer": (64, 50, 10),
 }
 DETECTOR_MODELS = ("mlp", "convnet")
+# --controls: the safe model's global norm summed the other way (concatenate?)
+NORM_CONTROL = {True: "safe, joined norm", False: "safe, per-tensor norm"}
 
 
 def describe(model, size):
@@ -294,18 +304,40 @@ def wait(model):
 
 
 def timing(configs, x, y, batch, rounds, callbacks=None):
+    """`configs["other"]` against `configs["baseline"]`, and any further config
+    (under "controls") against the same baseline, in one interleaved rotation."""
     timed = interleave(configs, "baseline", x, y, batch, rounds, wait=wait, callbacks=callbacks)
-    base, other = timed["baseline"], timed["other"]
-    return {
-        "batch": batch,
-        "steps": other["steps"],
-        "rounds": rounds,
-        "baseline_epoch_ms": 1e3 * base["median_epoch_s"],
-        "epoch_ms": 1e3 * other["median_epoch_s"],
-        "ratio": other["median_ratio"],
-        "ratio_interval": list(other["ratio_interval"]),
-        "per_step_us": other["per_step_us"],
-    }
+    base = timed["baseline"]
+
+    def row(other):
+        return {
+            "batch": batch,
+            "steps": other["steps"],
+            "rounds": rounds,
+            "baseline_epoch_ms": 1e3 * base["median_epoch_s"],
+            "epoch_ms": 1e3 * other["median_epoch_s"],
+            "ratio": other["median_ratio"],
+            "ratio_interval": list(other["ratio_interval"]),
+            "per_step_us": other["per_step_us"],
+        }
+
+    result = row(timed["other"])
+    controls = [name for name in configs if name not in ("baseline", "other")]
+    if controls:
+        result["controls"] = {name: row(timed[name]) for name in controls}
+    return result
+
+
+def compiled_with_norm(model, x, y, batch, concatenate):
+    """Compiles `model`'s step with the global norm summed one way (see
+    `_update._global_norm`), by one epoch; later fits keep that step."""
+    _jax_update.NORM_BY_CONCATENATION = concatenate
+    try:
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        wait(model)
+    finally:
+        _jax_update.NORM_BY_CONCATENATION = None
+    return model
 
 
 def device_profile(configs, x, y, batch, callbacks=None):
@@ -331,7 +363,7 @@ def device_profile(configs, x, y, batch, callbacks=None):
         finally:
             jax.profiler.stop_trace()
         paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        lines, kernels = {}, {}
+        lines, kernels, intervals = {}, {}, []
         for plane in jax.profiler.ProfileData.from_file(paths[0]).planes if paths else ():
             if not plane.name.startswith("/device:"):
                 continue
@@ -340,7 +372,8 @@ def device_profile(configs, x, y, batch, callbacks=None):
                 for event in line.events:
                     row["events"] += 1
                     row["us"] += event.duration_ns / 1e3
-                    if line.name.startswith("Stream"):
+                    if line.name.startswith("Stream") and hasattr(event, "start_ns"):
+                        intervals.append((event.start_ns, event.start_ns + event.duration_ns))
                         kernel = kernels.setdefault(event.name[:120], {"events": 0, "us": 0.0})
                         kernel["events"] += 1
                         kernel["us"] += event.duration_ns / 1e3
@@ -350,11 +383,86 @@ def device_profile(configs, x, y, batch, callbacks=None):
         profile[name] = {
             "lines": {key: per_step(row) for key, row in lines.items()},
             "top_kernels": {key: per_step(row) for key, row in top},
+            "streams": per_step(busy_and_span(intervals)),
         }
     return profile
 
 
-def check(model, quick, rounds, steps_per_execution=1, parts=("exactness", "speed"), profile=False):
+def host_profile(configs, x, y, batch, callbacks=None, top=24):
+    """Per config, where the host's time goes in one epoch of a warm model.
+
+    `cProfile` over one `fit()` of one epoch: the functions with the most
+    cumulative time a step, among this package's and Keras's callback and
+    loop functions (names shortened to file:line:function), and the epoch's
+    seconds under the profiler. cProfile slows Python several times over:
+    compare configs with each other, not with the timed epochs.
+    """
+    import cProfile
+    import pstats
+
+    callbacks = callbacks or {}
+    steps = -(-len(x) // batch)
+    profile = {}
+    for name, model in configs.items():
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.enable()
+        model.fit(
+            x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+            callbacks=callbacks.get(name),
+        )
+        wait(model)
+        profiler.disable()
+        seconds = time.perf_counter() - start
+        rows = []
+        for (path, line, function), (_, calls, _, cumulative, _) in pstats.Stats(profiler).stats.items():
+            if "keras_safe_dist" in path or "callbacks" in path or "trainer" in path:
+                short = f"{os.path.basename(path)}:{line}:{function}"
+                rows.append((short, 1e6 * cumulative / steps, calls / steps))
+        rows.sort(key=lambda row: -row[1])
+        profile[name] = {
+            "epoch_s": seconds,
+            "top": [{"function": f, "us_per_step": us, "calls_per_step": c} for f, us, c in rows[:top]],
+        }
+    return profile
+
+
+def diagnostic(function, *args, **kwargs):
+    """`function(*args, **kwargs)`, or `{"error": ...}` when it raises."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - a diagnostic must not lose the figures
+        print(f"({function.__name__} failed: {type(error).__name__}: {error})", flush=True)
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def busy_and_span(intervals):
+    """Microseconds the streams ran a kernel (the union of the kernels' intervals)
+    and from the first kernel's start to the last one's end; the rest of the
+    span the device waited, for the host or between kernels."""
+    busy, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    span = max(stop for _, stop in intervals) - min(start for start, _ in intervals) if intervals else 0
+    return {"busy_us": busy / 1e3, "span_us": span / 1e3}
+
+
+def check(
+    model,
+    quick,
+    rounds,
+    steps_per_execution=1,
+    parts=("exactness", "speed"),
+    profile=False,
+    controls=False,
+    steps_scale=1,
+    profile_host=False,
+):
     start = time.perf_counter()
     size = SIZES[model][quick]
     weights = initial_weights(model, size)
@@ -375,16 +483,32 @@ def check(model, quick, rounds, steps_per_execution=1, parts=("exactness", "spee
         return result
 
     batch, full_steps, quick_steps = SPEED[model]
-    x, y = data(model, size, batch * (quick_steps if quick else full_steps), seed=1)
+    steps = (quick_steps if quick else full_steps) * steps_scale
+    x, y = data(model, size, batch * steps, seed=1)
     models = {
         "stock": build(model, size, keras.Model, "sgd", steps_per_execution),
         "safe": build(model, size, SafeDistributedModel, "sgd", steps_per_execution),
     }
+    configs = {"baseline": models["stock"], "other": models["safe"]}
+    if controls:
+        # The safe model with its global norm summed the other way than this
+        # platform's default, and without the norm and the skip.
+        concatenate = not _jax_update.joins_norm(
+            [v.value for v in models["safe"].trainable_variables]
+        )
+        models[NORM_CONTROL[concatenate]] = build(
+            model, size, SafeDistributedModel, "sgd", steps_per_execution
+        )
+        models["safe, skip_nonfinite=False"] = build(
+            model, size, SafeDistributedModel, "sgd", steps_per_execution, skip_nonfinite=False
+        )
     for each in models.values():
         each.set_weights(weights)
-    result["speed"] = timing(
-        {"baseline": models["stock"], "other": models["safe"]}, x, y, batch, rounds
-    )
+    if controls:
+        compiled_with_norm(models[NORM_CONTROL[concatenate]], x, y, batch, concatenate)
+        for name in (NORM_CONTROL[concatenate], "safe, skip_nonfinite=False"):
+            configs[name] = models[name]
+    result["speed"] = timing(configs, x, y, batch, rounds)
     if model in DETECTOR_MODELS:
         detector = NaNOnsetDetector()
         models["safe, detector"] = build(
@@ -400,9 +524,22 @@ def check(model, quick, rounds, steps_per_execution=1, parts=("exactness", "spee
             callbacks={"other": [detector]},
         )
         result["detector"]["onset_reported"] = detector.report is not None
+    # The diagnostics after the figures, the host's first: on an H200 one
+    # run's cProfiled epochs, after a jax.profiler trace of the same models,
+    # failed in the compiled step (CUDA_ERROR_LAUNCH_FAILED), and took the
+    # timed figures with them. A failure now is recorded beside them.
+    if profile_host:
+        result["host_profile"] = diagnostic(
+            host_profile,
+            {name: models[name] for name in ("stock", "safe", "safe, detector") if name in models},
+            x,
+            y,
+            batch,
+            callbacks={"safe, detector": [NaNOnsetDetector()]},
+        )
     if profile:
-        result["profile"] = device_profile(
-            models, x, y, batch, callbacks={"safe, detector": [NaNOnsetDetector()]}
+        result["profile"] = diagnostic(
+            device_profile, models, x, y, batch, callbacks={"safe, detector": [NaNOnsetDetector()]}
         )
     result["seconds"] = time.perf_counter() - start
     return result
@@ -468,10 +605,13 @@ def table(report):
         f"{'base ms':>8} {'ms':>8} {'ratio':>6} {'interval':>13} {'per step':>9}",
     ]
     for result in report["models"].values():
+        rows = []
         for key, label in (("speed", "safe / stock"), ("detector", "detector / safe")):
-            if key not in result:
-                continue
-            row = result[key]
+            if key in result:
+                rows.append((label, result[key]))
+                for name, control in result[key].get("controls", {}).items():
+                    rows.append((f"{name} / stock"[:22], control))
+        for label, row in rows:
             low, high = row["ratio_interval"]
             lines.append(
                 f"{result['name']:<44} {label:<22} {row['batch']:>5} {row['steps']:>5} "
@@ -481,6 +621,9 @@ def table(report):
             )
     for result in report["models"].values():
         for config, profile in result.get("profile", {}).items():
+            if config == "error":
+                lines.append(f"profile {result['name']}: failed ({profile})")
+                continue
             streams = [row for line, row in profile["lines"].items() if line.startswith("Stream")]
             lines.append(
                 f"profile {result['name']}, {config}: "
@@ -489,7 +632,21 @@ def table(report):
                     for line, row in profile["lines"].items()
                 )
                 + f"; streams: {sum(row['events'] for row in streams):.1f} kernels, "
-                f"{sum(row['us'] for row in streams):.1f} µs a step"
+                f"{sum(row['us'] for row in streams):.1f} µs a step, busy "
+                f"{profile['streams']['busy_us']:.1f} of {profile['streams']['span_us']:.1f} µs"
+            )
+    for result in report["models"].values():
+        for config, profile in result.get("host_profile", {}).items():
+            if config == "error":
+                lines.append(f"host profile {result['name']}: failed ({profile})")
+                continue
+            lines.append(
+                f"host profile {result['name']}, {config} (epoch {profile['epoch_s'] * 1e3:.1f} ms "
+                "under cProfile): "
+                + "; ".join(
+                    f"{row['function']} {row['us_per_step']:.1f} µs x{row['calls_per_step']:.2f}"
+                    for row in profile["top"]
+                )
             )
     lines += ["", f"tensorflow imported: {report['tensorflow_imported']}"]
     return "\n".join(lines)
@@ -523,7 +680,26 @@ def main(argv=None):
         action="store_true",
         help="trace one epoch of each timed model; device time a step, by stream and kernel",
     )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="cProfile one epoch of stock, safe and safe with the detector: host time a step",
+    )
+    parser.add_argument(
+        "--steps-scale",
+        type=int,
+        default=1,
+        help="times more steps in each timed epoch (a cost that falls with it is per epoch)",
+    )
+    parser.add_argument(
+        "--controls",
+        action="store_true",
+        help="also time the safe model with its global norm summed the other way "
+        "(per tensor, or over the joined gradients) and with skip_nonfinite=False",
+    )
     args = parser.parse_args(argv)
+    if args.steps_scale < 1:
+        parser.error(f"--steps-scale must be an integer >= 1. Received: {args.steps_scale}")
     if args.steps_per_execution < 1:
         parser.error(
             "--steps-per-execution must be an integer >= 1. "
@@ -562,6 +738,8 @@ def main(argv=None):
         "updates_per_epoch": UPDATES_PER_EPOCH[args.quick],
         "deterministic_ops": DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", ""),
         "steps_per_execution": args.steps_per_execution,
+        "controls": args.controls,
+        "steps_scale": args.steps_scale,
         "models": {},
     }
     for name in models:
@@ -572,6 +750,9 @@ def main(argv=None):
             args.steps_per_execution,
             parts=(args.only,) if args.only else ("exactness", "speed"),
             profile=args.profile,
+            controls=args.controls,
+            steps_scale=args.steps_scale,
+            profile_host=args.host_profile,
         )
         print(f"({name}: {report['models'][name]['seconds']:.0f} s)", flush=True)
         if args.json:

@@ -136,3 +136,46 @@ def test_only_speed_with_a_profile_skips_the_exactness_runs(tmp_path):
     # A CPU's trace has no device plane: the profile is there, and empty.
     assert set(mlp["profile"]) == {"stock", "safe", "safe, detector"}
     assert all(entry["lines"] == {} for entry in mlp["profile"].values())
+
+
+def test_controls_steps_scale_and_host_profile(tmp_path):
+    path = tmp_path / "report.json"
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--only", "speed",
+        "--models", "mlp", "--rounds", "2", "--controls", "--steps-scale", "2",
+        "--host-profile", "--json", str(path),
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(path.read_text(), parse_constant=_strict)
+    assert (report["controls"], report["steps_scale"]) == (True, 2)
+    mlp = report["models"]["mlp"]
+    assert mlp["speed"]["steps"] == 40  # 20 quick steps, twice
+    # On a CPU the norm is summed per tensor: the control joins the gradients.
+    controls = mlp["speed"]["controls"]
+    assert set(controls) == {"safe, joined norm", "safe, skip_nonfinite=False"}
+    for row in controls.values():
+        low, high = row["ratio_interval"]
+        assert 0 < low <= row["ratio"] <= high < math.inf, row
+    profiles = mlp["host_profile"]
+    assert set(profiles) == {"stock", "safe", "safe, detector"}
+    for config, profile in profiles.items():
+        assert profile["epoch_s"] > 0, config
+        functions = [row["function"] for row in profile["top"]]
+        assert any(name.endswith(":fit") for name in functions), (config, functions)
+    functions = [row["function"] for row in profiles["safe, detector"]["top"]]
+    assert any("train_function" in name for name in functions), functions
+    assert "host profile MLP 64-256-256-10, safe, detector" in done.stdout
+
+
+def test_bad_steps_scale_is_refused():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--steps-scale", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 2
+    assert "--steps-scale must be an integer >= 1. Received: 0" in done.stderr

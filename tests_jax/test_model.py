@@ -12,6 +12,7 @@ import pytest
 
 import keras_safe_dist
 from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.backend.jax import _update as _jax_update
 
 from conftest import needs_tensorflow
 from conftest import regression_data
@@ -252,7 +253,15 @@ def _norm(arrays):
     return float(np.sqrt(sum(np.sum(np.square(a.astype("float64"))) for a in arrays)))
 
 
-def test_logged_grad_norm_is_the_one_device_gradient_norm(devices):
+@pytest.fixture(params=["per_tensor", "joined"])
+def norm_sum(request, monkeypatch):
+    """The global norm summed per tensor (a CPU's default) or over the joined
+    gradients (a GPU's), forced for the models built in the test."""
+    monkeypatch.setattr(_jax_update, "NORM_BY_CONCATENATION", request.param == "joined")
+    return request.param
+
+
+def test_logged_grad_norm_is_the_one_device_gradient_norm(devices, norm_sum):
     x, y, _ = regression_data(10, features=64)
     gradient = _stock_gradient(x, y)
     expected = _norm(gradient)
@@ -262,7 +271,7 @@ def test_logged_grad_norm_is_the_one_device_gradient_norm(devices):
     assert history.history["grad_norm"][0] == pytest.approx(expected, rel=1e-5)
 
 
-def test_global_clipnorm_matches_one_device_clipping(devices):
+def test_global_clipnorm_matches_one_device_clipping(devices, norm_sum):
     x, y, _ = regression_data(10, features=64)
     gradient = _stock_gradient(x, y)
     norm = _norm(gradient)
@@ -273,6 +282,30 @@ def test_global_clipnorm_matches_one_device_clipping(devices):
     model.fit(x, y, batch_size=10, verbose=0)
     for b, a, g in zip(before, model.get_weights(), gradient):
         np.testing.assert_allclose(b - a, g * (limit / norm), rtol=1e-4, atol=1e-7)
+
+
+def test_the_global_norm_joins_the_gradients_on_a_gpu_only_and_never_sharded_ones(
+    devices, monkeypatch
+):
+    replicated = [jax.device_put(np.ones((4, 4), "float32"))]
+    assert _jax_update._platform(replicated) == "cpu"
+    assert not _jax_update.joins_norm(replicated)  # the default on a CPU
+    monkeypatch.setattr(_jax_update, "_JOINED_NORM_PLATFORMS", frozenset({"cpu"}))
+    assert _jax_update.joins_norm(replicated)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+    sharded = jax.device_put(
+        np.ones((4, 4), "float32"),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model")),
+    )
+    assert not _jax_update.joins_norm([*replicated, sharded])
+    monkeypatch.setattr(_jax_update, "NORM_BY_CONCATENATION", True)
+    assert not _jax_update.joins_norm([*replicated, sharded])  # the join would gather them
+    tensors = [np.arange(12, dtype="float32").reshape(3, 4), np.full((5,), -2.0, "float16")]
+    expected = np.sqrt(sum(np.sum(np.square(t.astype("float64"))) for t in tensors))
+    for joined in (False, True):
+        norm = _jax_update._global_norm([jax.numpy.asarray(t) for t in tensors], joined)
+        assert norm.dtype == np.float32
+        assert float(norm) == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2], ids=["k1", "k2"])
@@ -448,6 +481,7 @@ _SAVE_ON_TENSORFLOW = """
 import sys
 import keras, numpy as np
 from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.backend.jax import _update as _jax_update
 if sys.argv[1] == "save":
     keras.utils.set_random_seed(4)
     inputs = keras.Input((4,))

@@ -81,20 +81,24 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     `action="stop"` or `"restore"` every later step leaves the weights,
     optimizer state and non-trainable variables as they are. The detector
     reads no step's logs, so Keras keeps dispatching batch hooks
-    asynchronously: every `check_every` steps it starts the transfer to the
-    host of the record the last step returned (in its logs, which Keras does
-    not donate; the record is taken out of them before Keras sees them) and
-    reads the one started `check_every` steps before, and it reads the
-    record at each epoch's end. No device operation of its own. Training therefore
-    stops at most `2 * check_every` steps after the onset (at the epoch's
-    end at the latest), with the state of the onset. It then replays the
-    micro-batches of the onset's accumulation group eagerly with
+    asynchronously: every `check_every` steps (rounded up to whole
+    executions with `steps_per_execution > 1`) it starts the transfer to the
+    host of the record the last step returned (in its logs, as it was when
+    that step began; Keras does not donate the logs, and the record is taken
+    out of them before Keras sees them) and reads the one started at the
+    check before, and at each epoch's end it reads the record and checks the
+    weights in one computation. No device operation of its own between
+    steps. Training therefore stops at most `2 * check_every + 1` steps
+    after the onset with one step per execution, `2 * C + N` with N steps
+    per execution and C the interval rounded up to a multiple of N (at the
+    epoch's end at the latest), with the state of the onset. It then
+    replays the micro-batches of the onset's accumulation group eagerly with
     `model.stateless_call` (see `keras_safe_dist.backend.jax.nan_locate`) to
     name the kind, the first layer with a non-finite output from finite
     inputs and the sample `rows`; the batches of the last
-    `2 * check_every + gradient_accumulation_steps` steps are kept by
-    reference for it (that many batches of device memory). A batch is one
-    global array there, so `replica` is None and `replicas` empty.
+    `2 * C + gradient_accumulation_steps` steps are kept by reference for it
+    (that many batches of device memory). A batch is one global array
+    there, so `replica` is None and `replicas` empty.
 
     With a plain `keras.Model` only the logged loss is checked each step, and
     the weights when it turns non-finite and at epoch ends: the report has
@@ -256,7 +260,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._applied_seen = 0
         self._plain_snapshots = None
         if self._jax:
-            self._watch.reset()
+            self._watch.reset(getattr(model, "steps_per_execution", 1))
         self._pending = None  # JAX: the record's transfer started at the last check
         self._next_check = self.check_every
         self._epoch_starts = {}  # JAX: epoch -> its first step in this fit()
@@ -365,11 +369,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         for name in _nan_flags.LOG_NAMES:
             logs.pop(name, None)
         if self._jax:
-            # Keras put the state back on the model at the epoch's end: one read.
+            # Keras put the state back on the model at the epoch's end: one
+            # computation and one read for the record and the weights.
             self._pending = None
-            self._act_on_record(self._watch.read())
+            onset, weights = self._watch.read_with_weights(self.model)
+            self._act_on_record(onset)
             if self.report is None and self._last_batch is not None:
-                weights = self._nonfinite_weights()
                 if weights:
                     self._at_step(self._steps_read - 1)
                     self._onset(None, {"loss": False, "grad_norm": False}, weights=weights)
@@ -548,6 +553,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             report.update(kind="weights", variables=list(weights))
             return {}
         fallback = "loss" if logged["loss"] else "gradients"
+        # Unless the replay below finds where it began, the report says only
+        # what the record does.
+        report["localized"] = False
         if weights:
             report["kind"] = fallback
             report["notes"].append(
@@ -573,7 +581,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 "Replaying the batch found every value finite; the step may not be deterministic."
             )
             return {}
-        report.update(kind=found.kind, layer=found.layer, rows=list(found.rows))
+        report.update(kind=found.kind, layer=found.layer, rows=list(found.rows), localized=True)
         located = _jax_locate().process_rows(batches[index], found.rows)
         if located is not None:
             # Several processes: the global batch is their local batches in

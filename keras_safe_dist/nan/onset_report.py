@@ -68,9 +68,10 @@ KINDS = {
 # gradients were finite (stock Keras applies non-finite ones).
 PLAIN_FIXES = {
     "loss": (
-        "Train with keras_safe_dist.SafeDistributedModel and this detector to learn "
-        "whether the inputs, a layer, the loss or the gradients turned non-finite, "
-        "and apply the fix its report gives for that kind."
+        "To learn whether the inputs, a layer, the loss or the gradients turned "
+        "non-finite, train with keras_safe_dist.SafeDistributedModel and this detector, "
+        "which replays the onset's batch, and apply the fix its report gives for that "
+        "kind."
     ),
     "weights": (
         "If the update's gradients were non-finite (a plain keras.Model applies them), "
@@ -78,6 +79,14 @@ PLAIN_FIXES = {
         "detector to find the op; if they were finite, lower the learning rate or clip "
         "gradients with global_clipnorm."
     ),
+}
+
+# What an onset whose source was not located is (a plain keras.Model's, or
+# one whose batch was not replayed): the kind it falls back to says which
+# value was non-finite, not where it began.
+UNLOCATED_WHAT = {
+    "loss": "a non-finite loss (where it began was not located)",
+    "gradients": "a non-finite update from a finite loss (where it began was not located)",
 }
 
 PLAIN_MODEL_NOTE = (
@@ -100,9 +109,17 @@ _ACTIONS = {
 }
 
 
+def what_for(report):
+    """What the report says turned non-finite: no more than was located."""
+    kind = report["kind"]
+    if not report.get("localized", True) and kind in UNLOCATED_WHAT:
+        return UNLOCATED_WHAT[kind]
+    return KINDS[kind][0]
+
+
 def finish(report, action, max_consecutive_skips):
     """Adds the finding, the action taken and the paragraph to `report`."""
-    what, fix = KINDS[report["kind"]][0], fix_for(report)
+    what, fix = what_for(report), fix_for(report)
     subject = report["layer"] or (report["variables"] or [report["kind"]])[0]
     message = f"{what} at epoch {report['epoch']}, batch {report['batch']}"
     report["finding"] = Finding.of("NAN001", subject, message, fix).to_dict()
@@ -132,7 +149,7 @@ def fix_for(report):
 
 def paragraph(report):
     """One readable paragraph describing the onset."""
-    what, fix = KINDS[report["kind"]][0], fix_for(report)
+    what, fix = what_for(report), fix_for(report)
     where = f"epoch {report['epoch']}, batch {report['batch']}"
     if report["replicas"]:
         where += f", replica {', '.join(str(r) for r in report['replicas'])}"

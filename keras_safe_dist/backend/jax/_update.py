@@ -10,6 +10,8 @@ finite. The rule it follows is `_loss`'s and `_stats`'s, shared with
 TensorFlow's `TensorFlowUpdateEngine`; the trainer is `trainer.py`, beside this module.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -83,13 +85,18 @@ class JAXUpdateEngine:
             self.laid_out_like.update(self.watch.laid_out_like)
         self._flush_function = jax.jit(self._flush_values, static_argnums=3)
         self.sharded_weights = False  # see `read_layout`
+        self.norm_by_concatenation = False  # see `read_layout`
 
     def read_layout(self):
-        """Notes whether a distribution shards the weights (ModelParallel), before each compile.
+        """Notes where the weights are, before each compile.
 
-        The step's skip depends on it (see `_update`).
+        The step's skip depends on whether a distribution shards them
+        (ModelParallel), and how it sums the gradients' squares on which
+        platform they are (see `_update` and `_global_norm`).
         """
-        self.sharded_weights = any(_is_sharded(v.value) for v in self.model.trainable_variables)
+        values = [v.value for v in self.model.trainable_variables]
+        self.sharded_weights = any(_is_sharded(value) for value in values)
+        self.norm_by_concatenation = joins_norm(values)
 
     def stale(self, nan_request=None):
         """Whether the model's options, optimizer or NaN detector changed since this engine was built."""
@@ -104,7 +111,10 @@ class JAXUpdateEngine:
     # Host side.
 
     def begin_fit(self):
-        self.stats.assign(_RESET_FIT(self.stats.value))
+        """Zeroes the statistics, and a NaNOnsetDetector's record: one compiled call."""
+        variables = [self.stats] + ([self.watch.record_variable] if self.watch else [])
+        for variable, value in zip(variables, _RESET_FIT([v.value for v in variables])):
+            variable.assign(value)
 
     def begin_epoch(self, steps):
         self.epoch_open = True
@@ -282,7 +292,7 @@ class JAXUpdateEngine:
         old_stats = stats
         grads = self._add_weight_regularization(grads, trainable)
         if self._reads_norm():
-            norm = _global_norm(grads)
+            norm = _global_norm(grads, self.norm_by_concatenation)
             finite = jnp.isfinite(norm) & jnp.isfinite(loss)
         else:
             # Nothing reads the norm (no skip, clipping, loss scale or
@@ -412,23 +422,64 @@ class JAXUpdateEngine:
         return optimizer_values[index]
 
 
+# Whether the global norm sums the squares of the gradients joined into one
+# vector (see `_global_norm`): None, by the platform of the weights (in
+# `_JOINED_NORM_PLATFORMS`) where none is sharded; True or False for every
+# model (benchmarks/gpu_check.py --controls compares the two).
+NORM_BY_CONCATENATION = None
+_JOINED_NORM_PLATFORMS = frozenset({"gpu"})
+
+
+def joins_norm(values):
+    """Whether a step over weights `values` sums the global norm over the joined gradients."""
+    if any(_is_sharded(value) for value in values):
+        return False  # the join would gather the shards
+    if NORM_BY_CONCATENATION is not None:
+        return NORM_BY_CONCATENATION
+    return _platform(values) in _JOINED_NORM_PLATFORMS
+
+
 # The statistics at a fit()'s and an epoch's start, from those before.
-_RESET_FIT = jax.jit(jnp.zeros_like)
+_RESET_FIT = jax.jit(lambda values: [jnp.zeros_like(value) for value in values])
 _RESET_EPOCH = jax.jit(lambda stats: stats * np.asarray(_rule.KEPT_ACROSS_EPOCHS, "float32"))
 
 
-def _global_norm(tensors):
+def _global_norm(tensors, concatenate=False):
     """The global norm in float32 or wider, so a float16 gradient's norm cannot overflow.
 
-    A plain sum of squares per tensor, as optax's `global_norm`: XLA sums a
-    sharded gradient shard by shard and adds the partial sums across devices.
-    (A matrix's squares summed as `vdot(t.T, t.T)` saved a copy on one CPU
-    device, but under `ModelParallel` the transpose of a sharded gradient
-    made the MLP 256-1024-1024-256's step 2.7 times stock's on 2 CPU devices.)
+    By default a plain sum of squares per tensor, as optax's `global_norm`:
+    XLA sums a sharded gradient shard by shard and adds the partial sums
+    across devices. (A matrix's squares summed as `vdot(t.T, t.T)` saved a
+    copy on one CPU device, but under `ModelParallel` the transpose of a
+    sharded gradient made the MLP 256-1024-1024-256's step 2.7 times stock's
+    on 2 CPU devices.)
+
+    With `concatenate`, one sum over all the tensors flattened and joined: on
+    a GPU XLA fuses the join into the reduction, one kernel where the
+    per-tensor sums take one each, and a step of about a millisecond is
+    bound by its kernel launches. Not on a CPU, where the join is a copy
+    (gpu_check's MLP: 1.04 of the per-tensor step on the 2-core VM), nor
+    over sharded tensors, which the join would gather.
     """
     wide = [t.astype(jnp.promote_types(t.dtype, jnp.float32)) for t in tensors]
-    squares = [jnp.sum(jnp.square(t)) for t in wide]
-    return jnp.sqrt(sum(squares)) if squares else jnp.zeros((), "float32")
+    if not wide:
+        return jnp.zeros((), "float32")
+    if concatenate and len(wide) > 1:
+        dtype = functools.reduce(jnp.promote_types, [t.dtype for t in wide])
+        joined = jnp.concatenate([jnp.ravel(t).astype(dtype) for t in wide])
+        return jnp.sqrt(jnp.sum(jnp.square(joined)))
+    return jnp.sqrt(sum(jnp.sum(jnp.square(t)) for t in wide))
+
+
+def _platform(values):
+    """The platform ("cpu", "gpu", "tpu") of the arrays' devices, or None if unknown or mixed."""
+    platforms = set()
+    for value in values:
+        devices = getattr(value, "devices", None)
+        if devices is None:
+            return None
+        platforms.update(device.platform for device in devices())
+    return platforms.pop() if len(platforms) == 1 else None
 
 
 def _is_sharded(value):
