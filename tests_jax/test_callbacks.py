@@ -237,9 +237,8 @@ def test_nan_detector_stops_within_two_checks_with_the_weights_of_the_onset(devi
     fit(model, x, y, [detector], epochs=1)
     report = detector.report
     assert (report["batch"], report["kind"], report["rows"]) == (7, "inputs", [2])
-    # Checks before batches 3, 6, 9 and 12: the one at 9 sends the record
-    # step 8 logged (as it was at step 8's start, after the onset at step 7)
-    # to the host, the one at 12 reads it and stops; step 12 runs held.
+    # Checks before batches 3, 6, 9 and 12: the one at 12 reads the record
+    # as of step 8 and stops; step 12 runs held. 2 * 3 steps after the onset.
     assert model._nan_link.watch.read().steps == 13
     assert int(model.optimizer.iterations.value) == 7
     trained = model.get_weights()
@@ -304,13 +303,12 @@ def test_nan_detector_stops_within_its_stated_steps_and_keeps_the_onset_batch(
     devices, steps_per_execution, onsets
 ):
     # The checks fall every check_every steps rounded up to whole executions
-    # (2 here, or 3 with 3 steps per execution); the step logs the record as
-    # it was at its start. Onsets at every phase of one interval: the batch
-    # is still kept to be replayed, and the most steps that run after the
-    # onset is `steps_to_stop`, reached.
+    # (2 here, or 3 with 3 steps per execution). Onsets at every phase of one
+    # interval: the batch is still kept to be replayed, and the most steps
+    # that run after the onset is `steps_to_stop`, reached.
     nan_watch = keras_safe_dist.backend.jax.nan_watch
     bound = nan_watch.steps_to_stop(2, steps_per_execution)
-    assert bound == {1: 5, 3: 9}[steps_per_execution]
+    assert bound == {1: 4, 3: 8}[steps_per_execution]
     after = []
     for onset in onsets:
         x, y, _ = regression_data(200)

@@ -83,15 +83,15 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     reads no step's logs, so Keras keeps dispatching batch hooks
     asynchronously: every `check_every` steps (rounded up to whole
     executions with `steps_per_execution > 1`) it starts the transfer to the
-    host of the record the last step returned (in its logs, as it was when
-    that step began; Keras does not donate the logs, and the record is taken
-    out of them before Keras sees them) and reads the one started at the
-    check before, and at each epoch's end it reads the record and checks the
-    weights in one computation. No device operation of its own between
-    steps. Training therefore stops at most `2 * check_every + 1` steps
-    after the onset with one step per execution, `2 * C + N` with N steps
-    per execution and C the interval rounded up to a multiple of N (at the
-    epoch's end at the latest), with the state of the onset. It then
+    host of the record the last step returned (in its logs, which Keras does
+    not donate; the record is taken out of them before Keras sees them) and
+    reads the one started at the check before, and at each epoch's end it
+    reads the record and checks the weights in one computation. No device
+    operation of its own between steps. Training therefore stops at most
+    `2 * check_every` steps after the onset with one step per execution,
+    `2 * C + N - 1` with N steps per execution and C the interval rounded up
+    to a multiple of N (at the epoch's end at the latest), with the state of
+    the onset. It then
     replays the micro-batches of the onset's accumulation group eagerly with
     `model.stateless_call` (see `keras_safe_dist.backend.jax.nan_locate`) to
     name the kind, the first layer with a non-finite output from finite

@@ -111,8 +111,8 @@ class JAXUpdateEngine:
     # Host side.
 
     def begin_fit(self):
-        """Zeroes the statistics, and a NaNOnsetDetector's record: one compiled call."""
-        variables = [self.stats] + ([self.watch.record_variable] if self.watch else [])
+        """Zeroes the statistics, and a NaNOnsetDetector's counts: one compiled call."""
+        variables = [self.stats] + ([self.watch.counts] if self.watch else [])
         for variable, value in zip(variables, _RESET_FIT([v.value for v in variables])):
             variable.assign(value)
 

@@ -1,7 +1,7 @@
 """NaNOnsetDetector's record on JAX: the first non-finite step, decided in the step, kept on the device.
 
 With a `NaNOnsetDetector` in `fit()`, `SafeDistributedModel`'s JAX step
-updates a small record after each step (`OnsetWatch.record`, traced into
+updates a small record after each step (`OnsetWatch.after_step`, traced into
 the compiled step):
 
 - the number of steps run in this `fit()`, and the first step whose
@@ -14,11 +14,6 @@ the compiled step):
 - with `action="restore"`, a copy of the weights and optimizer state from
   before the previous step.
 
-The counts and the history are one int32 array (`COUNT_ROWS` rows of
-counts, then one row a step, float32 bit for bit), which the step rewrites
-with one select: XLA fuses it into one pass, with no kernel of its own for
-a row's index or for a copy.
-
 After an onset with `action="stop"` or `"restore"` (or once the skips in a
 row reach the limit with `"continue"`) every later step leaves the weights,
 the optimizer state, the non-trainable variables and the accumulators as
@@ -27,19 +22,17 @@ state of the onset. With `"restore"` the onset step's own update is held
 too, so the weights are those from before the onset batch.
 
 The host reads the record without waiting on the device and without a
-device operation of its own. Each step also returns in its logs the record
-as it was when the step began: its input, which XLA passes out as it is,
-where logging the new record would take a copy (Keras donates the state to
-the next step, not the logs). The train function takes it out of the logs
-(`log`, `take`), so Keras and the other callbacks never see it. Every
-`check_every` steps, rounded up to whole executions, the detector starts
-the transfer of the latest one to the host (`copy_to_host_async`) and reads
-the one started at the check before, by then on the host (`start_read`,
-`finish_read`): an onset is read at most `steps_to_stop` steps after it.
-At an epoch's end the record and every weight are read in one computation
-(`read_with_weights`). The batches of the steps that can run between an
-onset and its read are kept by reference (`record_batch`, `kept_batches`),
-so that the onset's micro-batches can be replayed.
+device operation of its own. The step also returns the record in its logs,
+which Keras does not donate to the next step; the train function takes it
+out of them (`log`, `take`), so Keras and the other callbacks never see it.
+Every `check_every` steps, rounded up to whole executions, the detector
+starts the transfer of the latest one to the host (`copy_to_host_async`)
+and reads the one started at the check before, by then on the host
+(`start_read`, `finish_read`): an onset is read at most `steps_to_stop`
+steps after it. At an epoch's end the record and every weight are read in
+one computation (`read_with_weights`). The batches of the steps that can
+run between an onset and its read are kept by reference (`record_batch`,
+`kept_batches`), so that the onset's micro-batches can be replayed.
 """
 
 import collections
@@ -55,11 +48,8 @@ from keras_safe_dist.update import _rule
 
 __all__ = ["Onset", "OnsetWatch"]
 
-# The fields of the record's counts (int32), its first `COUNT_ROWS` rows.
-STEPS, ONSET, KIND, CONSECUTIVE, LIMIT, POSITION, SLOT = range(7)
-COUNT_ROWS = 4  # of 2 columns: the 7 counts and a spare cell
-# Below them, one row per step of the history (loss, gradient norm; float32
-# bit for bit as int32), and a spare last row.
+# The fields of the record's `counts` vector (int32).
+_FIELDS = STEPS, ONSET, KIND, CONSECUTIVE, LIMIT, POSITION = range(6)
 # Bits of the KIND field.
 LOSS, UPDATE = 1, 2
 # The step's log that carries the record out of the step (`log`, `take`).
@@ -96,9 +86,8 @@ class Onset(NamedTuple):
     consecutive: int
 
     @classmethod
-    def of(cls, record):
-        """The `Onset` of a record (or of its counts rows) as read on the host."""
-        counts = [int(c) for c in np.asarray(record).reshape(-1)[: 2 * COUNT_ROWS]]
+    def of(cls, counts):
+        counts = [int(c) for c in np.asarray(counts)]
         return cls(
             steps=counts[STEPS],
             step=counts[ONSET] - 1 if counts[ONSET] else None,
@@ -125,12 +114,14 @@ class OnsetWatch:
         self.loss_scaled = loss_scaled
         self.steps = model.gradient_accumulation_steps
         self.freezes = request.action in ("stop", "restore")
-        # One array, so that each step updates it in one element-wise pass.
-        self.record_variable = keras.Variable(
-            np.zeros((COUNT_ROWS + request.history + 1, 2), "int32"),
+        self.counts = keras.Variable(
+            np.zeros((6,), "int32"), trainable=False, dtype="int32", name="safe_dist_nan_counts"
+        )
+        # One row per step of the history, and a spare last row.
+        self.history = keras.Variable(
+            np.zeros((request.history + 1, 2), "float32"),
             trainable=False,
-            dtype="int32",
-            name="safe_dist_nan_record",
+            name="safe_dist_nan_history",
         )
         self.snapshot = []
         sources = []
@@ -144,7 +135,7 @@ class OnsetWatch:
                 for i, v in enumerate(sources)
             ]
         self.laid_out_like = {id(c): v for c, v in zip(self.snapshot, sources)}
-        self.variables = [self.record_variable, *self.snapshot]
+        self.variables = [self.counts, self.history, *self.snapshot]
         self.batches = collections.deque(maxlen=kept_batches(request.check_every, 1, self.steps))
         self.pulled = 0
         self.latest = None
@@ -153,7 +144,7 @@ class OnsetWatch:
 
     def reset(self, steps_per_execution=1):
         """Starts a `fit()` on the host: no batches kept. (The update engine
-        zeroes the record on the device with its statistics, `begin_fit`.)"""
+        zeroes the counts on the device with its statistics, `begin_fit`.)"""
         self.batches = collections.deque(
             maxlen=kept_batches(self.request.check_every, steps_per_execution, self.steps)
         )
@@ -205,7 +196,7 @@ class OnsetWatch:
 
     def read(self):
         """The `Onset` of the record on the model (after `jax_state_sync()`); waits for the device."""
-        return Onset.of(self.record_variable.value.addressable_data(0))
+        return Onset.of(self.counts.value.addressable_data(0))
 
     def read_with_weights(self, model):
         """`(Onset, paths of the non-finite weights)` after `jax_state_sync()`: the
@@ -213,16 +204,14 @@ class OnsetWatch:
         computation and one host read (an epoch's end)."""
         weights = [v for v in model.trainable_variables if keras.backend.is_float_dtype(v.dtype)]
         read = np.asarray(
-            _counts_and_finite(self.record_variable.value, [v.value for v in weights])
-            .addressable_data(0)
+            _counts_and_finite(self.counts.value, [v.value for v in weights]).addressable_data(0)
         )
-        counts, finite = read[: 2 * COUNT_ROWS], read[2 * COUNT_ROWS :]
+        counts, finite = read[: len(_FIELDS)], read[len(_FIELDS) :]
         return Onset.of(counts), [v.path for v, ok in zip(weights, finite) if not ok]
 
     def after_flush(self, skipped, pending):
         """Records the epoch-end update of a partial group of `pending` micro-batches (on the host)."""
-        record = np.array(self.record_variable.value.addressable_data(0))
-        counts = record[:COUNT_ROWS].reshape(-1)  # a view: writes go to `record`
+        counts = np.array(self.counts.value.addressable_data(0))
         if skipped:
             if not counts[ONSET] and not self.loss_scaled:
                 counts[ONSET], counts[KIND], counts[POSITION] = counts[STEPS], UPDATE, pending
@@ -232,7 +221,7 @@ class OnsetWatch:
                 counts[LIMIT] = counts[STEPS]
         else:
             counts[CONSECUTIVE] = 0
-        self.record_variable.assign(record)
+        self.counts.assign(counts)
 
     def read_frozen(self):
         """Whether the record on the model holds the state (after an onset); waits for the device."""
@@ -241,8 +230,7 @@ class OnsetWatch:
 
     def history_rows(self, last, count):
         """`(step, loss, grad_norm)` of the last `count` steps up to step `last`."""
-        record = np.asarray(self.record_variable.value.addressable_data(0))
-        rows = record[COUNT_ROWS:].view(np.float32)
+        rows = np.asarray(self.history.value.addressable_data(0))
         size = len(rows) - 1
         first = max(0, last - min(count, size) + 1)
         return [
@@ -269,9 +257,8 @@ class OnsetWatch:
             variable.assign(value)
         return True
 
-    def frozen(self, record):
-        """Whether a step leaves the state as it is (a traced boolean), from the record at its start."""
-        counts = _counts(record)
+    def frozen(self, counts):
+        """Whether a step leaves the state as it is (a traced boolean)."""
         held = counts[LIMIT] > 0
         if self.freezes:
             held = held | (counts[ONSET] > 0)
@@ -287,13 +274,13 @@ class OnsetWatch:
         `"restore"` also the onset step itself when its loss is non-finite
         (a non-finite update is held by the update engine).
         """
-        counts = _counts(values[0])
-        held = self.frozen(values[0])
+        counts = values[0]
+        held = self.frozen(counts)
         if self.request.action == "restore":
             held = held | ((counts[ONSET] == 0) & ~jnp.isfinite(loss))
         return held
 
-    def record(self, values, stats0, engine, loss, logged_loss, frozen, hold):
+    def record(self, values, stats0, engine, loss, logged_loss, frozen):
         """The record after a step.
 
         Args:
@@ -303,22 +290,13 @@ class OnsetWatch:
                 (accumulators and totals with accumulation, statistics).
             loss: the micro-batch's loss.
             logged_loss: the loss the step logs.
-            frozen: `self.frozen(record)` at the step's start.
-            hold: `self.hold(values, loss)`: the step changed nothing.
+            frozen: `self.frozen(counts)` at the step's start.
         """
-        record, *snapshot = values
-        counts = _counts(record)
+        counts, history, *snapshot = values
         stats = engine[-1]
         step = counts[STEPS]
         open_ = (counts[ONSET] == 0) & ~frozen
-        # Whether the step applied or skipped an update: every step that is
-        # not held without accumulation, else the one that emptied the
-        # group's totals. (Not from the statistics before and after: the
-        # step overwrites them in place, so reading the old ones takes a
-        # kernel of its own before it.)
-        updated = ~hold
-        if self.steps > 1:
-            updated = updated & (engine[-2][3] == 0)
+        updated = (stats[_UPDATES] + stats[_SKIPPED]) > (stats0[_UPDATES] + stats0[_SKIPPED])
         loss_bad = ~jnp.isfinite(loss)
         update_bad = jnp.zeros((), bool)
         if not self.loss_scaled:
@@ -345,22 +323,14 @@ class OnsetWatch:
             reached = (counts[LIMIT] == 0) & (consecutive >= self.request.max_consecutive_skips)
             fields[CONSECUTIVE] = consecutive
             fields[LIMIT] = jnp.where(reached, step + 1, counts[LIMIT])
+        counts = jnp.stack([f.astype("int32") for f in fields])
         # The history, written until the onset (its last row is the onset's);
-        # after it each step writes the spare last row. Its next row (the
-        # step's index modulo its size) is kept as a count: a remainder and
-        # a row's dynamic update each take a kernel of their own, where a
-        # select over the whole (small) record fuses into one pass.
-        history = record[COUNT_ROWS:]
+        # after it each step writes the spare last row.
         size = history.shape[0] - 1
-        slot = jnp.where(open_, counts[SLOT], size)
-        fields.append(jnp.where(counts[SLOT] + 1 == size, 0, counts[SLOT] + 1))
-        fields += [jnp.zeros((), "int32")] * (2 * COUNT_ROWS - len(fields))
-        counts = jnp.stack([f.astype("int32") for f in fields]).reshape(COUNT_ROWS, 2)
+        slot = jnp.where(open_, step % size, size)
         row = jnp.stack([logged_loss.astype("float32"), stats[_NORM].astype("float32")])
-        row = jax.lax.bitcast_convert_type(row, jnp.int32)
-        written = jnp.arange(size + 1, dtype="int32")[:, None] == slot
-        history = jnp.where(written, row[None, :], history)
-        return [jnp.concatenate([counts, history]), *snapshot]
+        history = jax.lax.dynamic_update_slice(history, row[None, :], (slot, 0))
+        return [counts, history, *snapshot]
 
     @staticmethod
     def log(logs, values):
@@ -370,15 +340,20 @@ class OnsetWatch:
     def snapshot_after(self, values, trainable0, optimizer0, frozen, loss):
         """With `action="restore"`: the copy of the weights and optimizer state, kept
         from the start of each step until the step before an onset."""
-        record, *snapshot = values
+        counts, history, *snapshot = values
         if not snapshot:
             return values
-        counts = _counts(record)
         keep = (counts[ONSET] > 0) | frozen | ~jnp.isfinite(loss)
         snapshot = [
             jnp.where(keep, old, new) for new, old in zip([*trainable0, *optimizer0], snapshot)
         ]
-        return [record, *snapshot]
+        return [counts, history, *snapshot]
+
+
+@jax.jit
+def _counts_and_finite(counts, values):
+    finite = [jnp.all(jnp.isfinite(value)).astype("int32") for value in values]
+    return jnp.concatenate([counts, jnp.stack(finite or [counts[0]])])
 
 
 def check_interval(check_every, steps_per_execution):
@@ -390,27 +365,15 @@ def check_interval(check_every, steps_per_execution):
 def steps_to_stop(check_every, steps_per_execution):
     """The most steps that run after an onset step, the last held.
 
-    The step logs the record as it was at its start. An onset just after
-    the step whose record a check sends to the host is in the next check's
-    transfer, read at the check after that; the execution that begins
-    there runs, held.
+    An onset just after the step whose record a check sends to the host is
+    in the next check's transfer, read at the check after that; the
+    execution that begins there runs, held.
     """
-    return 2 * check_interval(check_every, steps_per_execution) + steps_per_execution
+    return 2 * check_interval(check_every, steps_per_execution) + steps_per_execution - 1
 
 
 def kept_batches(check_every, steps_per_execution, accumulation_steps):
     """The batches kept for the replay: those of the onset's accumulation
-    group up to the onset, and of every step after it up to the read."""
+    group up to the onset, and of every step after it up to the read (and
+    one spare)."""
     return 2 * check_interval(check_every, steps_per_execution) + accumulation_steps
-
-
-@jax.jit
-def _counts_and_finite(record, values):
-    finite = [jnp.all(jnp.isfinite(value)).astype("int32") for value in values]
-    return jnp.concatenate([record[:COUNT_ROWS].reshape(-1), jnp.stack(finite or [record[0, 0]])])
-
-
-def _counts(record):
-    """The counts of a record (traced), each a scalar read at a fixed place of
-    its first rows (XLA fuses each read into the computation that uses it)."""
-    return [record[i // 2, i % 2] for i in range(2 * COUNT_ROWS)]

@@ -247,19 +247,13 @@ class JAXTrainer(_compat.EpochEndOverride):
                 metrics_values, trainable, logged, x, y, y_pred, sample_weight
             )
         if engine.watch is not None:
-            engine.watch.log(logs, watch_values)
             watch_values = engine.watch.snapshot_after(
                 watch_values, trainable0, optimizer0, frozen, logged[0]
             )
             watch_values = engine.watch.record(
-                watch_values,
-                stats0,
-                engine_values,
-                logged[0],
-                logs.get("loss", logged[0]),
-                frozen,
-                hold,
+                watch_values, stats0, engine_values, logged[0], logs.get("loss", logged[0]), frozen
             )
+            engine.watch.log(logs, watch_values)
         if self._stats_logged:
             logs.update(engine.logs(engine_values))
         state = (
@@ -362,14 +356,14 @@ class _Recorded:
 
     def __init__(self, iterator, watch):
         self.iterator = iterator
-        self.record = watch.record_batch
+        self.watch = watch
 
     def __iter__(self):
         return self
 
     def __next__(self):
         batch = next(self.iterator)
-        self.record(batch)
+        self.watch.record_batch(batch)
         return batch
 
 
