@@ -91,11 +91,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     `2 * check_every` steps after the onset with one step per execution,
     `2 * C + N - 1` with N steps per execution and C the interval rounded up
     to a multiple of N (at the epoch's end at the latest), with the state of
-    the onset. It then
-    replays the micro-batches of the onset's accumulation group eagerly with
-    `model.stateless_call` (see `keras_safe_dist.backend.jax.nan_locate`) to
-    name the kind, the first layer with a non-finite output from finite
-    inputs and the sample `rows`; the batches of the last
+    the onset. It then replays the micro-batches of the onset's accumulation
+    group eagerly with `model.stateless_call` (see
+    `keras_safe_dist.backend.jax.nan_locate`) to name the kind, the first
+    layer with a non-finite output from finite inputs and the sample `rows`;
+    the batches of the last
     `2 * C + gradient_accumulation_steps` steps are kept by reference for it
     (that many batches of device memory). A batch is one global array
     there, so `replica` is None and `replicas` empty.
