@@ -619,37 +619,40 @@ def table(report):
                 f"{row['ratio']:>6.3f} {f'{low:.3f}-{high:.3f}':>13} "
                 f"{row['per_step_us']:>+7.0f}µs"
             )
-    for result in report["models"].values():
-        for config, profile in result.get("profile", {}).items():
-            if config == "error":
-                lines.append(f"profile {result['name']}: failed ({profile})")
-                continue
-            streams = [row for line, row in profile["lines"].items() if line.startswith("Stream")]
-            lines.append(
-                f"profile {result['name']}, {config}: "
-                + ", ".join(
-                    f"{line} {row['events']:.1f} events {row['us']:.1f} µs"
-                    for line, row in profile["lines"].items()
-                )
-                + f"; streams: {sum(row['events'] for row in streams):.1f} kernels, "
-                f"{sum(row['us'] for row in streams):.1f} µs a step, busy "
-                f"{profile['streams']['busy_us']:.1f} of {profile['streams']['span_us']:.1f} µs"
+    for result, config, profile in diagnostics(report, "profile", "profile", lines):
+        streams = [row for line, row in profile["lines"].items() if line.startswith("Stream")]
+        lines.append(
+            f"profile {result['name']}, {config}: "
+            + ", ".join(
+                f"{line} {row['events']:.1f} events {row['us']:.1f} µs"
+                for line, row in profile["lines"].items()
             )
-    for result in report["models"].values():
-        for config, profile in result.get("host_profile", {}).items():
-            if config == "error":
-                lines.append(f"host profile {result['name']}: failed ({profile})")
-                continue
-            lines.append(
-                f"host profile {result['name']}, {config} (epoch {profile['epoch_s'] * 1e3:.1f} ms "
-                "under cProfile): "
-                + "; ".join(
-                    f"{row['function']} {row['us_per_step']:.1f} µs x{row['calls_per_step']:.2f}"
-                    for row in profile["top"]
-                )
+            + f"; streams: {sum(row['events'] for row in streams):.1f} kernels, "
+            f"{sum(row['us'] for row in streams):.1f} µs a step, busy "
+            f"{profile['streams']['busy_us']:.1f} of {profile['streams']['span_us']:.1f} µs"
+        )
+    for result, config, profile in diagnostics(report, "host_profile", "host profile", lines):
+        lines.append(
+            f"host profile {result['name']}, {config} (epoch {profile['epoch_s'] * 1e3:.1f} ms "
+            "under cProfile): "
+            + "; ".join(
+                f"{row['function']} {row['us_per_step']:.1f} µs x{row['calls_per_step']:.2f}"
+                for row in profile["top"]
             )
+        )
     lines += ["", f"tensorflow imported: {report['tensorflow_imported']}"]
     return "\n".join(lines)
+
+
+def diagnostics(report, key, label, lines):
+    """`(model's result, config, profile)` of each model's diagnostic `key`; a
+    failed one is a line of `lines` instead."""
+    for result in report["models"].values():
+        for config, profile in result.get(key, {}).items():
+            if config == "error":
+                lines.append(f"{label} {result['name']}: failed ({profile})")
+            else:
+                yield result, config, profile
 
 
 CELL_KEYS = ("accumulation_1", f"accumulation_{PARTS}", "stock_repeat", "stock_reordered")

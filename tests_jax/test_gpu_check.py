@@ -21,30 +21,27 @@ def _strict(constant):
     raise ValueError(f"non-finite number in the JSON: {constant}")
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpu_check") / "report.json"
+def _run_check(path, *options):
+    """`(JSON report, stdout)` of `gpu_check.py --quick --models mlp` with `options`."""
     env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "gpu_check.py"),
-        "--quick",
-        "--models",
-        "mlp",
-        "--json",
-        str(path),
-        "--deterministic",
-        "--steps-per-execution",
-        "2",
+        sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--models", "mlp",
+        "--json", str(path), *options,
     ]
-    # About 16 s on the idle 2-core VM, 30 s while other tests run beside it.
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "tensorflow imported:" in done.stdout, done.stdout[-2000:]
-    return json.loads(path.read_text(), parse_constant=_strict)
+    return json.loads(path.read_text(), parse_constant=_strict), done.stdout
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    # About 16 s on the idle 2-core VM, 30 s while other tests run beside it.
+    path = tmp_path_factory.mktemp("gpu_check") / "report.json"
+    return _run_check(path, "--deterministic", "--steps-per-execution", "2")[0]
 
 
 def test_runs_on_one_cpu_device_and_reports_versions(report):
@@ -69,13 +66,14 @@ def test_deterministic_ops_and_steps_per_execution_are_recorded(report):
     assert report["steps_per_execution"] == 2
 
 
-def test_bad_steps_per_execution_is_refused():
+@pytest.mark.parametrize("option", ["--steps-per-execution", "--steps-scale"])
+def test_a_count_below_one_is_refused(option):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--steps-per-execution", "0"],
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), option, "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
     )
     assert done.returncode == 2
-    assert "--steps-per-execution must be an integer >= 1. Received: 0" in done.stderr
+    assert f"{option} must be an integer >= 1. Received: 0" in done.stderr
 
 
 def test_safe_model_matches_stock_at_highest_precision(report):
@@ -119,18 +117,8 @@ def test_runs_without_importing_tensorflow(report):
 
 
 def test_only_speed_with_a_profile_skips_the_exactness_runs(tmp_path):
-    path = tmp_path / "speed.json"
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--models", "mlp",
-        "--rounds", "1", "--only", "speed", "--profile", "--json", str(path),
-    ]
-    done = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    mlp = json.loads(path.read_text(), parse_constant=_strict)["models"]["mlp"]
+    report, _ = _run_check(tmp_path / "speed.json", "--rounds", "1", "--only", "speed", "--profile")
+    mlp = report["models"]["mlp"]
     assert mlp["exactness"] == {} and mlp["floor"] == {}
     assert mlp["speed"]["rounds"] == 1 and mlp["speed"]["ratio"] > 0
     # A CPU's trace has no device plane: the profile is there, and empty.
@@ -139,19 +127,10 @@ def test_only_speed_with_a_profile_skips_the_exactness_runs(tmp_path):
 
 
 def test_controls_steps_scale_and_host_profile(tmp_path):
-    path = tmp_path / "report.json"
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--only", "speed",
-        "--models", "mlp", "--rounds", "2", "--controls", "--steps-scale", "2",
-        "--host-profile", "--json", str(path),
-    ]
-    done = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    report, stdout = _run_check(
+        tmp_path / "report.json", "--only", "speed", "--rounds", "2", "--controls",
+        "--steps-scale", "2", "--host-profile",
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(path.read_text(), parse_constant=_strict)
     assert (report["controls"], report["steps_scale"]) == (True, 2)
     mlp = report["models"]["mlp"]
     assert mlp["speed"]["steps"] == 40  # 20 quick steps, twice
@@ -169,13 +148,4 @@ def test_controls_steps_scale_and_host_profile(tmp_path):
         assert any(name.endswith(":fit") for name in functions), (config, functions)
     functions = [row["function"] for row in profiles["safe, detector"]["top"]]
     assert any("train_function" in name for name in functions), functions
-    assert "host profile MLP 64-256-256-10, safe, detector" in done.stdout
-
-
-def test_bad_steps_scale_is_refused():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--steps-scale", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )
-    assert done.returncode == 2
-    assert "--steps-scale must be an integer >= 1. Received: 0" in done.stderr
+    assert "host profile MLP 64-256-256-10, safe, detector" in stdout
