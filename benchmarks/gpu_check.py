@@ -395,7 +395,9 @@ def host_profile(configs, x, y, batch, callbacks=None, top=24):
     cumulative time a step, among this package's and Keras's callback and
     loop functions (names shortened to file:line:function), and the epoch's
     seconds under the profiler. cProfile slows Python several times over:
-    compare configs with each other, not with the timed epochs.
+    compare configs with each other, not with the timed epochs. On Python
+    3.12 it also sees Keras's callback thread, and may leave out the outer
+    `fit()`: compare runs of one Python only.
     """
     import cProfile
     import pstats
