@@ -68,11 +68,13 @@ Usage, from the repository root:
 
 import argparse
 import contextlib
+import cProfile
 import glob
 import json
 import math
 import os
 import platform
+import pstats
 import random
 import shutil
 import sys
@@ -337,7 +339,6 @@ def compiled_with_norm(model, x, y, batch, concatenate):
         wait(model)
     finally:
         _jax_update.NORM_BY_CONCATENATION = None
-    return model
 
 
 def device_profile(configs, x, y, batch, callbacks=None):
@@ -399,9 +400,6 @@ def host_profile(configs, x, y, batch, callbacks=None, top=24):
     3.12 it also sees Keras's callback thread, and may leave out the outer
     `fit()`: compare runs of one Python only.
     """
-    import cProfile
-    import pstats
-
     callbacks = callbacks or {}
     steps = -(-len(x) // batch)
     profile = {}
