@@ -27,6 +27,7 @@ import numpy as np
 
 from keras_safe_dist import _compat
 from keras_safe_dist.backend.jax import _process_batch
+from keras_safe_dist.backend.jax import nan_watch
 from keras_safe_dist.nan.replay import wrapped_calls
 
 __all__ = ["Found", "JAXSnapshots", "locate", "nonfinite_weights"]
@@ -62,18 +63,14 @@ def nonfinite_weights(model):
     One compiled computation over all of them and one host read, not one
     per weight (each eager operation is a launch, each read a wait).
     """
-    weights = [
-        v for v in model.trainable_weights if jnp.issubdtype(v.value.dtype, jnp.floating)
-    ]
+    weights = nan_watch.floating_weights(model)
     if not weights:
         return []
     finite = np.asarray(_all_finite_each([v.value for v in weights]))
     return [v.path for v, ok in zip(weights, finite) if not ok]
 
 
-@jax.jit
-def _all_finite_each(values):
-    return jnp.stack([jnp.all(jnp.isfinite(value)) for value in values])
+_all_finite_each = jax.jit(nan_watch.finite_each)
 
 
 def locate(model, batches):

@@ -202,7 +202,7 @@ class OnsetWatch:
         """`(Onset, paths of the non-finite weights)` after `jax_state_sync()`: the
         record and a check of every floating trainable weight in one compiled
         computation and one host read (an epoch's end)."""
-        weights = [v for v in model.trainable_variables if keras.backend.is_float_dtype(v.dtype)]
+        weights = floating_weights(model)
         read = np.asarray(
             _counts_and_finite(self.counts.value, [v.value for v in weights]).addressable_data(0)
         )
@@ -352,8 +352,19 @@ class OnsetWatch:
 
 @jax.jit
 def _counts_and_finite(counts, values):
-    finite = [jnp.all(jnp.isfinite(value)).astype("int32") for value in values]
-    return jnp.concatenate([counts, jnp.stack(finite or [counts[0]])])
+    if not values:
+        return counts
+    return jnp.concatenate([counts, finite_each(values).astype("int32")])
+
+
+def floating_weights(model):
+    """`model`'s floating trainable variables: those a NaN or an infinity can be in."""
+    return [v for v in model.trainable_variables if keras.backend.is_float_dtype(v.dtype)]
+
+
+def finite_each(values):
+    """Whether each of `values` holds only finite numbers (traced: one computation for all)."""
+    return jnp.stack([jnp.all(jnp.isfinite(value)) for value in values])
 
 
 def check_interval(check_every, steps_per_execution):
