@@ -62,6 +62,9 @@ Usage, from the repository root:
              --controls (the safe model also with its global norm summed
              the other way, and with skip_nonfinite=False, in the same
              rotation against stock)
+             --ablate (the detector also with each of its host-side parts
+             left out, in the same rotation against the safe model: which
+             part its cost is)
     The JSON is rewritten after each model, so a run stopped at a time limit
     keeps the models it finished.
 """
@@ -133,6 +136,43 @@ SPEED = {  # model: (batch, steps an epoch full, quick)
 DETECTOR_MODELS = ("mlp", "convnet")
 # --controls: the safe model's global norm summed the other way (concatenate?)
 NORM_CONTROL = {True: "safe, joined norm", False: "safe, per-tensor norm"}
+# --ablate: the detector with one of its host-side parts left out (name: parts).
+ABLATIONS = {
+    "detector, no batches kept": ("batches",),
+    "detector, no checks": ("checks",),
+    "detector, no epoch read": ("epoch_read",),
+    "detector, step only": ("batches", "checks", "epoch_read"),
+}
+
+
+class AblatedDetector(NaNOnsetDetector):
+    """A `NaNOnsetDetector` with some of its host-side parts left out, to time them.
+
+    Args:
+        leave_out: any of "batches" (the batches kept by reference for the
+            replay), "checks" (the reads of the record every `check_every`
+            steps), "epoch_read" (the record and the weights read at each
+            epoch's end). The record kept in the compiled step stays.
+
+    It no longer detects what those parts find: for timing only.
+    """
+
+    def __init__(self, leave_out):
+        super().__init__()
+        self.leave_out = frozenset(leave_out)
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        if "batches" in self.leave_out and self._watch is not None:
+            self._watch.record_batch = lambda batch: None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if "checks" not in self.leave_out:
+            super().on_train_batch_begin(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if "epoch_read" not in self.leave_out:
+            super().on_epoch_end(epoch, logs)
 
 
 def describe(model, size):
@@ -462,6 +502,7 @@ def check(
     controls=False,
     steps_scale=1,
     profile_host=False,
+    ablate=False,
 ):
     start = time.perf_counter()
     size = SIZES[model][quick]
@@ -515,14 +556,13 @@ def check(
             model, size, SafeDistributedModel, "sgd", steps_per_execution
         )
         models["safe, detector"].set_weights(weights)
-        result["detector"] = timing(
-            {"baseline": models["safe"], "other": models["safe, detector"]},
-            x,
-            y,
-            batch,
-            rounds,
-            callbacks={"other": [detector]},
-        )
+        configs = {"baseline": models["safe"], "other": models["safe, detector"]}
+        callbacks = {"other": [detector]}
+        for name, parts in ABLATIONS.items() if ablate else ():
+            configs[name] = build(model, size, SafeDistributedModel, "sgd", steps_per_execution)
+            configs[name].set_weights(weights)
+            callbacks[name] = [AblatedDetector(parts)]
+        result["detector"] = timing(configs, x, y, batch, rounds, callbacks=callbacks)
         result["detector"]["onset_reported"] = detector.report is not None
     # The diagnostics after the figures, the host's first: on an H200 one
     # run's cProfiled epochs, after a jax.profiler trace of the same models,
@@ -601,20 +641,23 @@ def table(report):
         "",
         "speed: epoch-time ratio, median of interleaved rounds (95% interval); per step: "
         "difference of the median epochs",
-        f"{'model':<44} {'compared':<22} {'batch':>5} {'steps':>5} {'rounds':>6} "
+        f"{'model':<44} {'compared':<36} {'batch':>5} {'steps':>5} {'rounds':>6} "
         f"{'base ms':>8} {'ms':>8} {'ratio':>6} {'interval':>13} {'per step':>9}",
     ]
     for result in report["models"].values():
         rows = []
-        for key, label in (("speed", "safe / stock"), ("detector", "detector / safe")):
+        for key, label, base in (
+            ("speed", "safe / stock", "stock"),
+            ("detector", "detector / safe", "safe"),
+        ):
             if key in result:
                 rows.append((label, result[key]))
                 for name, control in result[key].get("controls", {}).items():
-                    rows.append((f"{name} / stock"[:22], control))
+                    rows.append((f"{name} / {base}", control))
         for label, row in rows:
             low, high = row["ratio_interval"]
             lines.append(
-                f"{result['name']:<44} {label:<22} {row['batch']:>5} {row['steps']:>5} "
+                f"{result['name']:<44} {label:<36} {row['batch']:>5} {row['steps']:>5} "
                 f"{row['rounds']:>6} {row['baseline_epoch_ms']:>8.1f} {row['epoch_ms']:>8.1f} "
                 f"{row['ratio']:>6.3f} {f'{low:.3f}-{high:.3f}':>13} "
                 f"{row['per_step_us']:>+7.0f}µs"
@@ -700,6 +743,12 @@ def main(argv=None):
         help="also time the safe model with its global norm summed the other way "
         "(per tensor, or over the joined gradients) and with skip_nonfinite=False",
     )
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also time the detector with each of its host-side parts left out "
+        "(the batches kept, the checks, the epoch's read), against the safe model",
+    )
     args = parser.parse_args(argv)
     if args.steps_scale < 1:
         parser.error(f"--steps-scale must be an integer >= 1. Received: {args.steps_scale}")
@@ -743,6 +792,7 @@ def main(argv=None):
         "steps_per_execution": args.steps_per_execution,
         "controls": args.controls,
         "steps_scale": args.steps_scale,
+        "ablate": args.ablate,
         "models": {},
     }
     for name in models:
@@ -756,6 +806,7 @@ def main(argv=None):
             controls=args.controls,
             steps_scale=args.steps_scale,
             profile_host=args.host_profile,
+            ablate=args.ablate,
         )
         print(f"({name}: {report['models'][name]['seconds']:.0f} s)", flush=True)
         if args.json:

@@ -129,9 +129,9 @@ def test_only_speed_with_a_profile_skips_the_exactness_runs(tmp_path):
 def test_controls_steps_scale_and_host_profile(tmp_path):
     report, stdout = _run_check(
         tmp_path / "report.json", "--only", "speed", "--rounds", "2", "--controls",
-        "--steps-scale", "2", "--host-profile",
+        "--steps-scale", "2", "--host-profile", "--ablate",
     )
-    assert (report["controls"], report["steps_scale"]) == (True, 2)
+    assert (report["controls"], report["steps_scale"], report["ablate"]) == (True, 2, True)
     mlp = report["models"]["mlp"]
     assert mlp["speed"]["steps"] == 40  # 20 quick steps, twice
     # On a CPU the norm is summed per tensor: the control joins the gradients.
@@ -150,3 +150,54 @@ def test_controls_steps_scale_and_host_profile(tmp_path):
     functions = [row["function"] for row in profiles["safe, detector"]["top"]]
     assert any("train_function" in name for name in functions), functions
     assert "host profile MLP 64-256-256-10, safe, detector" in stdout
+    # Each part of the detector left out, timed against the safe model.
+    ablated = mlp["detector"]["controls"]
+    assert set(ablated) == {
+        "detector, no batches kept", "detector, no checks", "detector, no epoch read",
+        "detector, step only",
+    }
+    for row in ablated.values():
+        low, high = row["ratio_interval"]
+        assert 0 < low <= row["ratio"] <= high < math.inf, row
+    assert "detector, step only / safe" in stdout
+
+
+@pytest.mark.parametrize(
+    "leave_out", [(), ("batches",), ("checks",), ("epoch_read",), ("batches", "checks", "epoch_read")]
+)
+def test_ablated_detector_leaves_out_only_its_parts(leave_out, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+    import keras
+    import numpy as np
+
+    from keras_safe_dist import SafeDistributedModel
+
+    inputs = keras.Input((4,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    detector = gpu_check.AblatedDetector(leave_out)
+    calls = {"start_read": 0, "read_with_weights": 0}
+    original = gpu_check.NaNOnsetDetector.on_train_begin
+
+    def counted_begin(self, logs=None):
+        original(self, logs)
+        watch = self._watch
+        for name in calls:
+            method = getattr(watch, name)
+
+            def counted(*args, _method=method, _name=name):
+                calls[_name] += 1
+                return _method(*args)
+
+            setattr(watch, name, counted)
+
+    monkeypatch.setattr(gpu_check.NaNOnsetDetector, "on_train_begin", counted_begin)
+    x = np.ones((40, 4), "float32")
+    model.fit(x, x[:, :1], batch_size=1, epochs=1, verbose=0, callbacks=[detector])
+    # 40 steps: one check (at step 32, check_every's default), one epoch's end.
+    assert calls == {
+        "start_read": 0 if "checks" in leave_out else 1,
+        "read_with_weights": 0 if "epoch_read" in leave_out else 1,
+    }
+    assert len(detector._watch.batches) == (0 if "batches" in leave_out else 40)
