@@ -2,7 +2,8 @@
 
 For two models whose weights a LayoutMap shards over a (1, 2) mesh, stock
 `keras.Model` and `SafeDistributedModel` at `gradient_accumulation_steps`
-1 and 4, all with Adam:
+1 and 4, all with Adam (and at 4 with bfloat16 weights, their sums in
+float32 by default and in bfloat16 with `accumulation_dtype="bfloat16"`):
 
 - bytes per device, from the arrays' shards on each device (the most any
   device holds): the trainable weights, the optimizer's state, and our own
@@ -132,14 +133,26 @@ def measure(name, setup, rounds):
     )
     memory = {}
     models = {}
-    for label, model_class, options in (
-        ("stock", keras.Model, {}),
-        ("safe, accumulation 1", SafeDistributedModel, {}),
-        ("safe, accumulation 4", SafeDistributedModel, {"gradient_accumulation_steps": 4}),
+    four = {"gradient_accumulation_steps": 4}
+    for label, model_class, options, policy in (
+        ("stock", keras.Model, {}, "float32"),
+        ("safe, accumulation 1", SafeDistributedModel, {}, "float32"),
+        ("safe, accumulation 4", SafeDistributedModel, four, "float32"),
+        ("safe, accumulation 4, bfloat16 weights", SafeDistributedModel, four, "bfloat16"),
+        (
+            "safe, accumulation 4, bfloat16 weights, accumulation_dtype='bfloat16'",
+            SafeDistributedModel,
+            {**four, "accumulation_dtype": "bfloat16"},
+            "bfloat16",
+        ),
     ):
-        model = build(model_class, **options)
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
-        _wait(model)
+        keras.config.set_dtype_policy(policy)
+        try:
+            model = build(model_class, **options)
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+            _wait(model)
+        finally:
+            keras.config.set_dtype_policy("float32")
         engine = getattr(model, "_update_engine", None)
         memory[label] = {
             "weights": bytes_per_device(model.trainable_variables),

@@ -117,6 +117,18 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             default, so the logs hold the same keys as stock Keras; a
             `Dashboard` or `NaNOnsetDetector` among `fit()`'s callbacks turns
             it on for that `fit()`.
+        accumulation_dtype: the dtype of the sums that keep a group's
+            micro-batch gradients (`gradient_accumulation_steps > 1`), one
+            per trainable weight. None (the default): `"float32"` for
+            `float16` and `bfloat16` weights, so that many micro-batches do
+            not round away, and the weight's own dtype otherwise.
+            `"bfloat16"`, `"float32"` or `"float64"`: that dtype for every
+            floating weight's sum (not `"float16"`: the sums hold the
+            group's summed gradient, which overflows its range).
+            `"bfloat16"` halves the accumulators of `bfloat16` weights, at
+            the cost of rounding each micro-batch's gradient into a
+            `bfloat16` sum (docs/model.md states how much). Without
+            accumulation there are no sums and it changes nothing.
         *args, **kwargs: passed to `keras.Model`.
 
     Each option can also be assigned after construction
@@ -169,6 +181,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
     clipvalue = _option("clipvalue")
     skip_nonfinite = _option("skip_nonfinite")
     log_update_stats = _option("log_update_stats")
+    accumulation_dtype = _option("accumulation_dtype")
 
     def __new__(cls, *args, **kwargs):
         if cls is SafeDistributedModel and _functional_arguments(args, kwargs):
@@ -184,6 +197,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         clipvalue=None,
         skip_nonfinite=True,
         log_update_stats=False,
+        accumulation_dtype=None,
         **kwargs,
     ):
         # The functional class is an implementation detail: name the one called.
@@ -196,6 +210,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             clipvalue,
             skip_nonfinite,
             log_update_stats,
+            accumulation_dtype,
         )
         if _functional_arguments(args, kwargs):
             # Keras makes a subclass functional by rewriting the bases of every
@@ -271,6 +286,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             clipvalue=self.clipvalue,
             skip_nonfinite=self.skip_nonfinite,
             log_update_stats=self.log_update_stats,
+            accumulation_dtype=self.accumulation_dtype,
         )
         return config
 
@@ -675,6 +691,7 @@ _OPTION_DEFAULTS = {
     "clipvalue": None,
     "skip_nonfinite": True,
     "log_update_stats": False,
+    "accumulation_dtype": None,
 }
 
 _FIT_CALLBACKS_POSITION = (
@@ -745,9 +762,15 @@ def _warn_if_saved_twice(model, wrapped):
 
 
 def _closest(names):
-    """`" (did you mean 'x'?)"` for the first of `names` close to an option, else `""`."""
+    """`" (did you mean 'x'?)"` for the first of `names` close to an option, else `""`.
+
+    An option that holds the name, or that the name holds, comes first
+    (`accumulation_steps` is `gradient_accumulation_steps` shortened, though
+    its letters are as close to `accumulation_dtype`).
+    """
     for name in names:
-        close = difflib.get_close_matches(name, _OPTION_DEFAULTS, n=1, cutoff=0.7)
+        held = [option for option in _OPTION_DEFAULTS if name in option or option in name]
+        close = held or difflib.get_close_matches(name, _OPTION_DEFAULTS, n=1, cutoff=0.7)
         if close:
             return f" (did you mean {close[0]!r}?)"
     return ""
@@ -781,6 +804,7 @@ def _validate_options(
     clipvalue,
     skip_nonfinite,
     log_update_stats,
+    accumulation_dtype=None,
     assigned=None,
 ):
     """The options, checked and normalized.
@@ -836,7 +860,46 @@ def _validate_options(
         **{name: None if v is None else float(v) for name, v in clips.items()},
         "skip_nonfinite": skip_nonfinite,
         "log_update_stats": log_update_stats,
+        "accumulation_dtype": _validate_accumulation_dtype(accumulation_dtype),
     }
+
+
+_ACCUMULATION_DTYPES = ("bfloat16", "float32", "float64")
+
+
+def _validate_accumulation_dtype(value):
+    """None, or the standardized name of a floating dtype the sums can be kept in."""
+    if value is None:
+        return None
+    try:
+        dtype = keras.backend.standardize_dtype(value)
+    except (TypeError, ValueError, AttributeError):
+        dtype = None
+    if dtype == "float16":
+        raise ValueError(
+            "`accumulation_dtype` cannot be 'float16': the sums hold a group's summed "
+            "gradient (before it is divided by the group's loss denominator), which "
+            "overflows float16's largest value, 65504. Received: "
+            f"accumulation_dtype={value!r}. Use 'bfloat16' (float32's range, half "
+            "its bytes) or None."
+        )
+    if dtype not in _ACCUMULATION_DTYPES:
+        raise ValueError(
+            "`accumulation_dtype` must be None or one of "
+            f"{', '.join(repr(d) for d in _ACCUMULATION_DTYPES)}. "
+            f"Received: accumulation_dtype={value!r}"
+        )
+    if dtype == "float64" and on_jax():
+        import jax  # the backend in use: imported by Keras already
+
+        if not jax.config.jax_enable_x64:
+            raise ValueError(
+                "`accumulation_dtype='float64'` needs 64-bit types, which JAX has "
+                "off: its sums would be float32. Call "
+                "`jax.config.update('jax_enable_x64', True)` before building the "
+                "model, or pass accumulation_dtype=None or 'float32'."
+            )
+    return dtype
 
 
 def _check_optimizer(optimizer):

@@ -51,6 +51,10 @@ class TwoLayer(SafeDistributedModel):
         ({"clipvalue": float("nan")}, "Received: clipvalue=nan"),
         ({"clipnorm": 1.0, "clipvalue": 2.0}, "Only one of `global_clipnorm`, `clipnorm` and `clipvalue` can be set. Received: global_clipnorm=None, clipnorm=1.0, clipvalue=2.0"),
         ({"skip_nonfinite": 1}, "`skip_nonfinite` must be True or False. Received: skip_nonfinite=1"),
+        ({"accumulation_dtype": "int32"}, "`accumulation_dtype` must be None or one of 'bfloat16', 'float32', 'float64'. Received: accumulation_dtype='int32'"),
+        ({"accumulation_dtype": "fp32"}, "Received: accumulation_dtype='fp32'"),
+        ({"accumulation_dtype": 32}, "Received: accumulation_dtype=32"),
+        ({"accumulation_dtype": "float16"}, "`accumulation_dtype` cannot be 'float16': the sums hold a group's summed gradient"),
     ],
 )
 def test_bad_arguments_raise_naming_argument_and_value(kwargs, message):
@@ -246,7 +250,10 @@ def test_from_model_in_a_scope_on_a_model_built_outside_raises_scope_error():
 @pytest.mark.parametrize("build", [functional, TwoLayer], ids=["functional", "subclassed"])
 def test_save_and_load_round_trip(tmp_path, build):
     x, y, _ = regression_data(16)
-    model = build(gradient_accumulation_steps=3, clipnorm=0.5, skip_nonfinite=False)
+    model = build(
+        gradient_accumulation_steps=3, clipnorm=0.5, skip_nonfinite=False,
+        accumulation_dtype="bfloat16",
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
     model.fit(x, y, batch_size=4, verbose=0)
     path = tmp_path / "m.keras"
@@ -262,6 +269,7 @@ def test_save_and_load_round_trip(tmp_path, build):
     assert loaded.clipnorm == 0.5
     assert loaded.global_clipnorm is None
     assert loaded.skip_nonfinite is False
+    assert loaded.accumulation_dtype == "bfloat16"
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
 
 
@@ -334,6 +342,7 @@ def test_user_callbacks_still_run_and_see_logs():
     ("skip_nonfinite", "yes", "`skip_nonfinite` must be True or False. Received: skip_nonfinite='yes'"),
     ("log_update_stats", None, "`log_update_stats` must be True or False. Received: log_update_stats=None"),
     ("global_clipnorm", float("inf"), "`global_clipnorm` must be a finite number > 0 or None. Received: global_clipnorm=inf"),
+    ("accumulation_dtype", "half", "`accumulation_dtype` must be None or one of 'bfloat16', 'float32', 'float64'. Received: accumulation_dtype='half'"),
 ])
 def test_an_option_assigned_after_construction_is_checked_as_the_constructor_does(name, value, message):
     model = functional(gradient_accumulation_steps=2)
@@ -475,6 +484,7 @@ def test_fit_evaluate_and_predict_on_data_without_samples_raise(steps, data):
         ("clip_norm", "clipnorm"),
         ("global_clip_norm", "global_clipnorm"),
         ("clip_value", "clipvalue"),
+        ("accumulator_dtype", "accumulation_dtype"),
     ],
 )
 def test_a_misspelled_option_is_refused_naming_the_closest(given, meant):
@@ -511,7 +521,7 @@ def test_from_model_refuses_a_keyword_that_is_not_an_option():
     assert str(error.value).startswith(
         "SafeDistributedModel.from_model() got unexpected keyword arguments "
         "['gradient_accumulation'] (did you mean 'gradient_accumulation_steps'?). "
-        "It takes `input_shape` and the options ['clipnorm', 'clipvalue', "
+        "It takes `input_shape` and the options ['accumulation_dtype', 'clipnorm', "
     )
     with pytest.raises(TypeError, match=r"\['seed'\]\. It takes"):
         SafeDistributedModel.from_model(sequential, seed=1)

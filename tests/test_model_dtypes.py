@@ -84,3 +84,22 @@ def test_float64_norm_beyond_float32_range_is_finite(replicas, policy):
     assert history.history["skipped_updates"][-1] == 0
     assert history.history["grad_norm"][-1] > 1e38
     assert history.history["clip_rate"][-1] == 1.0
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+@pytest.mark.parametrize("policy", ["bfloat16", "float32"], indirect=True)
+def test_accumulation_dtype_keeps_the_sums_in_it(replicas, steps, policy):
+    # bfloat16 sums: half the accumulators' bytes of float32 ones, each
+    # micro-batch's gradient rounded into bfloat16. Against stock Keras on one
+    # device at one batch per update, within the bfloat16 bound.
+    x, y, _ = regression_data(64)
+    reference, model, history = fit_both(replicas, steps, x, y, accumulation_dtype="bfloat16")
+    sums = model._update_engine.sums.dense
+    assert [s.variable.dtype.name for s in sums] == ["bfloat16"] * len(model.trainable_weights)
+    assert [w.dtype for w in model.trainable_weights] == [policy] * len(sums)
+    error = relative_error(
+        [np.asarray(w, "float64") for w in reference.get_weights()],
+        [np.asarray(w, "float64") for w in model.get_weights()],
+    )
+    assert error < TOLERANCE["bfloat16"], error
+    assert history.history["skipped_updates"][-1] == 0

@@ -55,12 +55,16 @@ class JAXUpdateEngine:
         self.epoch_open = False
         trainable = model.trainable_variables
         self.sums = []
+        # The dtype each gradient is summed in (`accumulation_dtype`), or
+        # widened to without accumulation.
+        chosen = self.options["accumulation_dtype"] if self.steps > 1 else None
+        self.sum_dtypes = [accumulator_dtype(v.dtype, chosen) for v in trainable]
         if self.steps > 1:
             # Laid out as their variables are (sharded under ModelParallel):
             # one sharded copy of the gradient, never a full one per device.
             self.sums = [
-                _jax_compat.variable_like(v, f"safe_dist_sum_{i}", _accumulator_dtype(v.dtype))
-                for i, v in enumerate(trainable)
+                _jax_compat.variable_like(v, f"safe_dist_sum_{i}", dtype)
+                for i, (v, dtype) in enumerate(zip(trainable, self.sum_dtypes))
             ]
         # Each per-variable state of ours -> the variable it is laid out like.
         self.laid_out_like = {id(s): v for s, v in zip(self.sums, trainable)}
@@ -213,7 +217,7 @@ class JAXUpdateEngine:
         statistics (a NaNOnsetDetector's record after an onset).
         """
         sums, stats = values[: len(self.sums)], values[-1]
-        grads = [g.astype(_accumulator_dtype(g.dtype)) for g in grads]
+        grads = [g.astype(dtype) for g, dtype in zip(grads, self.sum_dtypes)]
         scale = self._scale(optimizer_values)
         if scale is not None:
             grads = [g / scale.astype(g.dtype) for g in grads]
@@ -489,8 +493,14 @@ def _is_sharded(value):
     return spec is not None and any(axis is not None for axis in spec)
 
 
-def _accumulator_dtype(dtype):
+def accumulator_dtype(dtype, chosen=None):
+    """The dtype a weight of `dtype`'s gradients are summed in: `chosen` (the
+    model's `accumulation_dtype`) for a floating weight, when given; else
+    float32 for a float16 or bfloat16 weight (sums of its gradients would
+    round away), and `dtype` otherwise."""
     dtype = keras.backend.standardize_dtype(dtype)
+    if chosen is not None and keras.backend.is_float_dtype(dtype):
+        return chosen
     return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 

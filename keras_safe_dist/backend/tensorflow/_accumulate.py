@@ -26,11 +26,15 @@ _LOCAL = dict(
 )
 
 
-def accumulator_dtype(dtype):
-    """float32 for a float16 or bfloat16 variable (sums of its gradients round away)."""
-    if keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16"):
-        return "float32"
-    return keras.backend.standardize_dtype(dtype)
+def accumulator_dtype(dtype, chosen=None):
+    """The dtype a variable of `dtype`'s gradients are summed in: `chosen` (the
+    model's `accumulation_dtype`) for a floating variable, when given; else
+    float32 for a float16 or bfloat16 variable (sums of its gradients would
+    round away), and `dtype` otherwise."""
+    dtype = keras.backend.standardize_dtype(dtype)
+    if chosen is not None and keras.backend.is_float_dtype(dtype):
+        return chosen
+    return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
 def row_variables(model):
@@ -50,12 +54,13 @@ class DenseSum:
         variable: the trainable variable.
         lazy: size the sum when it is first written (an Embedding's table,
             whose gradient is usually sparse); not under XLA.
+        chosen: the model's `accumulation_dtype` (see `accumulator_dtype`).
     """
 
-    def __init__(self, variable, lazy=False):
+    def __init__(self, variable, lazy=False, chosen=None):
         self.shape = tuple(variable.shape)
         self.lazy = lazy
-        dtype = accumulator_dtype(variable.dtype)
+        dtype = accumulator_dtype(variable.dtype, chosen)
         if lazy:
             initial = tf.zeros([0], dtype)
             self.variable = tf.Variable(
@@ -86,11 +91,12 @@ class RowSum:
 
     Args:
         variable: the trainable variable (an Embedding's table).
+        chosen: the model's `accumulation_dtype` (see `accumulator_dtype`).
     """
 
-    def __init__(self, variable):
+    def __init__(self, variable, chosen=None):
         self.shape = tuple(variable.shape)
-        dtype = accumulator_dtype(variable.dtype)
+        dtype = accumulator_dtype(variable.dtype, chosen)
         rows = tf.TensorShape([None]).concatenate(self.shape[1:])
         self.values = tf.Variable(
             tf.zeros([0, *self.shape[1:]], dtype), shape=rows, name="safe_dist_rows", **_LOCAL
@@ -149,10 +155,16 @@ class Accumulators:
     def __init__(self, model, rows):
         self.names = [v.path for v in model.trainable_weights]
         row_ids = row_variables(model) if rows else set()
-        self.dense = [DenseSum(v, lazy=id(v) in row_ids) for v in model.trainable_weights]
-        self.rows = [RowSum(v) if id(v) in row_ids else None for v in model.trainable_weights]
+        chosen = model.accumulation_dtype
+        self.dense = [
+            DenseSum(v, lazy=id(v) in row_ids, chosen=chosen) for v in model.trainable_weights
+        ]
+        self.rows = [
+            RowSum(v, chosen) if id(v) in row_ids else None for v in model.trainable_weights
+        ]
         self.shared = [
-            SharedRowSum(v) if id(v) in row_ids else None for v in model.trainable_weights
+            SharedRowSum(v, chosen) if id(v) in row_ids else None
+            for v in model.trainable_weights
         ]
         # Set while the train step is traced: which sum each variable uses.
         self.row_wise = set()

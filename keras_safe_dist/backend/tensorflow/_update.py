@@ -423,7 +423,8 @@ class TensorFlowUpdateEngine:
 
     def _apply_gradients(self, optimizer, grads):
         variables = self.model.trainable_weights
-        # Accumulated float16 and bfloat16 gradients are float32.
+        # Accumulated gradients are in `accumulation_dtype` (float32 for
+        # float16 and bfloat16 weights by default); the update is in the weights'.
         grads = [_cast(g, v.dtype) for g, v in zip(grads, variables)]
         optimizer.apply(grads, variables)
 
