@@ -376,14 +376,19 @@ def test_options_assigned_after_a_fit_train_as_a_model_built_with_them(replicas)
         assigned.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
     assigned.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # traces the step
     with strategy_for(replicas).scope():
-        fresh = functional(gradient_accumulation_steps=2, global_clipnorm=0.01)
+        fresh = functional(
+            gradient_accumulation_steps=2, global_clipnorm=0.01, accumulation_dtype="bfloat16"
+        )
         fresh.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
     fresh.set_weights(assigned.get_weights())
     start = assigned.get_weights()
     assigned.gradient_accumulation_steps = 2
     assigned.global_clipnorm = 0.01
+    assigned.accumulation_dtype = "bfloat16"
     for model in (assigned, fresh):
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        sums = model._update_engine.sums.dense
+        assert {s.variable.dtype.name for s in sums} == {"bfloat16"}
     # Three clipped updates: each moves the weights by at most 0.5 * 0.01.
     moved = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(assigned.get_weights(), start)))
     assert 0 < moved <= 3 * 0.5 * 0.01 + 1e-6
