@@ -59,6 +59,24 @@ def totals_dtype(model):
     return "float64" if wide else "float32"
 
 
+def accumulator_dtype(dtype, chosen=None):
+    """The dtype a weight of `dtype`'s accumulated gradients are summed in.
+
+    Args:
+        dtype: the weight's dtype.
+        chosen: the model's `accumulation_dtype` (None: the default rule).
+
+    Returns:
+        `chosen` for a floating weight, when given; else float32 for a
+        float16 or bfloat16 weight (sums of its gradients would round away),
+        and `dtype` otherwise.
+    """
+    dtype = keras.backend.standardize_dtype(dtype)
+    if chosen is not None and keras.backend.is_float_dtype(dtype):
+        return chosen
+    return "float32" if dtype in ("float16", "bfloat16") else dtype
+
+
 class _Term(NamedTuple):
     numerator: Any
     denominator: Optional[Any]

@@ -58,7 +58,7 @@ class JAXUpdateEngine:
         # The dtype each gradient is summed in (`accumulation_dtype`), or
         # widened to without accumulation.
         chosen = self.options["accumulation_dtype"] if self.steps > 1 else None
-        self.sum_dtypes = [accumulator_dtype(v.dtype, chosen) for v in trainable]
+        self.sum_dtypes = [_loss.accumulator_dtype(v.dtype, chosen) for v in trainable]
         if self.steps > 1:
             # Laid out as their variables are (sharded under ModelParallel):
             # one sharded copy of the gradient, never a full one per device.
@@ -491,17 +491,6 @@ def _is_sharded(value):
     """Whether `value` is split across devices (not replicated, nor on one device)."""
     spec = getattr(getattr(value, "sharding", None), "spec", None)
     return spec is not None and any(axis is not None for axis in spec)
-
-
-def accumulator_dtype(dtype, chosen=None):
-    """The dtype a weight of `dtype`'s gradients are summed in: `chosen` (the
-    model's `accumulation_dtype`) for a floating weight, when given; else
-    float32 for a float16 or bfloat16 weight (sums of its gradients would
-    round away), and `dtype` otherwise."""
-    dtype = keras.backend.standardize_dtype(dtype)
-    if chosen is not None and keras.backend.is_float_dtype(dtype):
-        return chosen
-    return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
 def _divide_no_nan(numerator, denominator):

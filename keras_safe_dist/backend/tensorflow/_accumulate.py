@@ -18,23 +18,13 @@ import keras
 import tensorflow as tf
 
 from keras_safe_dist import _compat
+from keras_safe_dist.update import _loss
 
 _LOCAL = dict(
     trainable=False,
     synchronization=tf.VariableSynchronization.ON_READ,
     aggregation=tf.VariableAggregation.SUM,
 )
-
-
-def accumulator_dtype(dtype, chosen=None):
-    """The dtype a variable of `dtype`'s gradients are summed in: `chosen` (the
-    model's `accumulation_dtype`) for a floating variable, when given; else
-    float32 for a float16 or bfloat16 variable (sums of its gradients would
-    round away), and `dtype` otherwise."""
-    dtype = keras.backend.standardize_dtype(dtype)
-    if chosen is not None and keras.backend.is_float_dtype(dtype):
-        return chosen
-    return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
 def row_variables(model):
@@ -54,13 +44,13 @@ class DenseSum:
         variable: the trainable variable.
         lazy: size the sum when it is first written (an Embedding's table,
             whose gradient is usually sparse); not under XLA.
-        chosen: the model's `accumulation_dtype` (see `accumulator_dtype`).
+        chosen: the model's `accumulation_dtype` (see `_loss.accumulator_dtype`).
     """
 
     def __init__(self, variable, lazy=False, chosen=None):
         self.shape = tuple(variable.shape)
         self.lazy = lazy
-        dtype = accumulator_dtype(variable.dtype, chosen)
+        dtype = _loss.accumulator_dtype(variable.dtype, chosen)
         if lazy:
             initial = tf.zeros([0], dtype)
             self.variable = tf.Variable(
@@ -91,12 +81,12 @@ class RowSum:
 
     Args:
         variable: the trainable variable (an Embedding's table).
-        chosen: the model's `accumulation_dtype` (see `accumulator_dtype`).
+        chosen: the model's `accumulation_dtype` (see `_loss.accumulator_dtype`).
     """
 
     def __init__(self, variable, chosen=None):
         self.shape = tuple(variable.shape)
-        dtype = accumulator_dtype(variable.dtype, chosen)
+        dtype = _loss.accumulator_dtype(variable.dtype, chosen)
         rows = tf.TensorShape([None]).concatenate(self.shape[1:])
         self.values = tf.Variable(
             tf.zeros([0, *self.shape[1:]], dtype), shape=rows, name="safe_dist_rows", **_LOCAL
