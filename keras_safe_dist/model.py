@@ -124,7 +124,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             not round away, and the weight's own dtype otherwise.
             `"bfloat16"`, `"float32"` or `"float64"`: that dtype for every
             floating weight's sum (not `"float16"`: the sums hold the
-            group's summed gradient, which overflows its range).
+            group's summed gradient, which can pass its range).
             `"bfloat16"` halves the accumulators of `bfloat16` weights, at
             the cost of rounding each micro-batch's gradient into a
             `bfloat16` sum (docs/model.md states how much). Without
@@ -879,7 +879,7 @@ def _validate_accumulation_dtype(value):
         raise ValueError(
             "`accumulation_dtype` cannot be 'float16': the sums hold a group's summed "
             "gradient (before it is divided by the group's loss denominator), which "
-            "overflows float16's largest value, 65504. Received: "
+            "can pass float16's largest value, 65504. Received: "
             f"accumulation_dtype={value!r}. Use 'bfloat16' (float32's range, half "
             "its bytes) or None."
         )
