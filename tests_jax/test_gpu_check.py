@@ -160,6 +160,13 @@ def test_controls_steps_scale_and_host_profile(tmp_path):
         low, high = row["ratio_interval"]
         assert 0 < low <= row["ratio"] <= high < math.inf, row
     assert "detector, step only / safe" in stdout
+    # The detector's cost per fit(): fits of one step, three rounds per round.
+    per_fit = mlp["detector_per_fit"]
+    assert (per_fit["steps"], per_fit["rounds"]) == (1, 6)
+    low, high = per_fit["ratio_interval"]
+    assert 0 < low <= per_fit["ratio"] <= high < math.inf, per_fit
+    assert math.isfinite(per_fit["per_step_us"])
+    assert f"{per_fit['per_step_us']:>+7.0f}µs/fit" in stdout
 
 
 @pytest.mark.parametrize(

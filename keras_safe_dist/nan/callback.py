@@ -82,10 +82,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     optimizer state and non-trainable variables as they are. The detector
     reads no step's logs, so Keras keeps dispatching batch hooks
     asynchronously: every `check_every` steps (rounded up to whole
-    executions with `steps_per_execution > 1`) it starts the transfer to the
-    host of the record the last step returned (in its logs, which Keras does
-    not donate; the record is taken out of them before Keras sees them) and
-    reads the one started at the check before, and at each epoch's end it
+    executions with `steps_per_execution > 1`) it keeps a reference to the
+    record the last step returned (in its logs, which Keras does not donate;
+    the record is taken out of them before Keras sees them) and reads the
+    one kept at the check before, whose step has finished by then; at each
+    epoch's end it
     reads the record and checks the weights in one computation. No device
     operation of its own between steps. Training therefore stops at most
     `2 * check_every` steps after the onset with one step per execution,
@@ -128,7 +129,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         check_every: on JAX with a `SafeDistributedModel`, the steps between
             two reads of the step's record; integer >= 1. Smaller stops
             sooner after an onset and keeps fewer batches; each read is one
-            small host transfer, started `check_every` steps before it is read.
+            small host transfer of the record kept `check_every` steps before,
+            whose step has finished by then.
 
     Raises:
         ValueError: for an `action` other than `"stop"`, `"restore"` and
@@ -261,7 +263,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._plain_snapshots = None
         if self._jax:
             self._watch.reset(getattr(model, "steps_per_execution", 1))
-        self._pending = None  # JAX: the record's transfer started at the last check
+        self._pending = None  # JAX: the record kept at the last check
         self._next_check = self.check_every
         self._epoch_starts = {}  # JAX: epoch -> its first step in this fit()
         self._steps_read = 0
@@ -307,8 +309,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._jax:
-            # No log is read: every `check_every` steps, the record's copy
-            # started at the check before (on the host by now), and a new one.
+            # No log is read: every `check_every` steps, the record kept at
+            # the check before (its step has finished), and a new one kept.
             if batch >= self._next_check:
                 self._next_check = batch + self.check_every
                 self._check_record()
