@@ -208,7 +208,7 @@ def table(results, rounds):
         for label, row in result["memory_per_device"].items():
             share = row["ours"] / row["weights"]
             lines.append(
-                f"| {result['model']} ({result['weights_total'] / 1e6:.2f} MB of weights) | "
+                f"| {result['model']} ({result['weights_total'] / 1e6:.2f} MB of weights in float32) | "
                 f"{label} | {row['weights'] / 1e6:.2f} MB | {row['optimizer'] / 1e6:.2f} MB | "
                 f"{row['ours'] / 1e3:.1f} kB | {share:.3f} |"
             )
