@@ -136,9 +136,9 @@ SPEED = {  # model: (batch, steps an epoch full, quick)
 DETECTOR_MODELS = ("mlp", "convnet")
 # --controls: the safe model's global norm summed the other way (concatenate?)
 NORM_CONTROL = {True: "safe, joined norm", False: "safe, per-tensor norm"}
-# --ablate: the detector with one of its host-side parts left out (name: parts).
-# With --ablate: the rounds of one-execution fits, per timed round of epochs.
+# --ablate: the rounds of one-execution fits, per timed round of epochs.
 FIT_ROUNDS = 3
+# --ablate: the detector with one of its host-side parts left out (name: parts).
 ABLATIONS = {
     "detector, no batches kept": ("batches",),
     "detector, no checks": ("checks",),
