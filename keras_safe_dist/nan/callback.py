@@ -87,8 +87,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     the record is taken out of them before Keras sees them) and reads the
     one kept at the check before, whose step has finished by then; at each
     epoch's end it reads the record and checks the weights in one
-    computation. No device
-    operation of its own between steps. Training therefore stops at most
+    computation. No device operation of its own between steps. Training
+    therefore stops at most
     `2 * check_every` steps after the onset with one step per execution,
     `2 * C + N - 1` with N steps per execution and C the interval rounded up
     to a multiple of N (at the epoch's end at the latest), with the state of
