@@ -485,6 +485,80 @@ def test_a_pending_group_is_applied_when_an_option_changes(devices):
     assert _relative_error(model, reference) < 1e-5
 
 
+def _two_dense(model_class, **options):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    first = keras.layers.Dense(8, name="first")
+    second = keras.layers.Dense(3, name="second")
+    outputs = second(first(inputs))
+    if model_class is keras.Model:
+        return keras.Model(inputs, outputs), first, second
+    return SafeDistributedModel(inputs, outputs, **options), first, second
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_trainable_changed_without_compile_is_refused_by_name(devices, accumulation):
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32")
+    model, first, second = _two_dense(
+        SafeDistributedModel, gradient_accumulation_steps=accumulation
+    )
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    first.trainable = False
+    model.fit(x, y, batch_size=8 // accumulation, shuffle=False, verbose=0)
+    # The same count of variables, other shapes: stock fails in the step.
+    first.trainable, second.trainable = True, False
+    weights = [w.copy() for w in model.get_weights()]
+
+    with pytest.raises(ValueError) as error:
+        model.fit(x, y, batch_size=8 // accumulation, shuffle=False, verbose=0)
+
+    message = str(error.value)
+    assert "(2 then, 2 now; now trainable: first/kernel, first/bias; no longer trainable: " \
+        "second/kernel, second/bias)" in message
+    assert "Call model.compile(...) again after setting a layer's `trainable`" in message
+    for after, before in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(after, before)  # nothing trained
+    with pytest.raises(ValueError, match="2 then, 2 now"):
+        model.train_on_batch(x[:8], y[:8])
+
+
+def test_stock_keras_fails_inside_the_step_when_trainable_changes_without_compile():
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    model, first, _ = _two_dense(keras.Model)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, x[:, :3], batch_size=8, verbose=0)
+    first.trainable = False
+
+    with pytest.raises(ValueError, match="corresponding 1:1 to the trainable variables"):
+        model.fit(x, x[:, :3], batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_after_compile_again_a_changed_trainable_set_matches_one_device(devices, accumulation):
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32")
+
+    def train(model, first, second, batch_size):
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+        model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        first.trainable = False
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+        model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        first.trainable, second.trainable = True, False
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+        model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        return model
+
+    reference = _one_device(lambda: train(*_two_dense(keras.Model), 8))
+    model = train(
+        *_two_dense(SafeDistributedModel, gradient_accumulation_steps=accumulation),
+        8 // accumulation,
+    )
+
+    assert _relative_error(model, reference) < 1e-5
+
+
 def test_save_and_load_keeps_options_and_weights(tmp_path, devices):
     x, y, _ = regression_data(16)
     model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2, global_clipnorm=1.0)

@@ -54,6 +54,8 @@ class JAXUpdateEngine:
         self.custom_loss = _compat.compute_loss_is_overridden(model)
         self.epoch_open = False
         trainable = model.trainable_variables
+        # What the step is built for (`check_trainable`).
+        self.trainable = list(trainable)
         self.sums = []
         # The dtype each gradient is summed in (`accumulation_dtype`), or
         # widened to without accumulation.
@@ -90,6 +92,40 @@ class JAXUpdateEngine:
         self._flush_function = jax.jit(self._flush_values, static_argnums=3)
         self.sharded_weights = False  # see `read_layout`
         self.norm_by_concatenation = False  # see `read_layout`
+
+    def check_trainable(self):
+        """Raises a `ValueError` when the model's trainable variables are no
+        longer those this engine and Keras's optimizer were built for.
+
+        A layer's `trainable` set after training began, without `compile()`
+        since: Keras's JAX backend then fails inside the step ("must be a list
+        of tensors corresponding 1:1 to the trainable variables list that the
+        optimizer was built with"), and with accumulation the sums would not
+        match the gradients. One walk of the trainable variables per call
+        (stock walks them to build each epoch's state).
+        """
+        current = self.model.trainable_variables
+        if len(current) == len(self.trainable) and all(
+            now is then for now, then in zip(current, self.trainable)
+        ):
+            return
+        before = {id(v) for v in self.trainable}
+        now = {id(v) for v in current}
+        added = [v.path for v in current if id(v) not in before]
+        removed = [v.path for v in self.trainable if id(v) not in now]
+        changes = "; ".join(
+            f"{what}: {', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''}"
+            for what, paths in (("now trainable", added), ("no longer trainable", removed))
+            if paths
+        )
+        raise ValueError(
+            "SafeDistributedModel's trainable variables changed since it was compiled "
+            f"for training on JAX ({len(self.trainable)} then, {len(current)} now; "
+            f"{changes or 'the same variables in another order'}). Keras's optimizer "
+            "and the gradient accumulators are built for the trainable variables "
+            "of the first fit() after compile(). Call model.compile(...) again after "
+            "setting a layer's `trainable`, as Keras's JAX backend requires."
+        )
 
     def read_layout(self):
         """Notes where the weights are, before each compile.

@@ -171,11 +171,13 @@ class JAXTrainer(_compat.EpochEndOverride):
             return super().predict_on_batch(*args, **kwargs)
 
     def make_train_function(self, force=False):
+        engine = self._update_engine
+        if engine is not None:
+            engine.check_trainable()  # a layer's `trainable` set since compile()
         if self._new_distribution("train"):
             force = True  # the variables are laid out on the new distribution first
         if self._stats_logged != self._stats_requested:
             force = True  # the update statistics were asked for, or no more
-        engine = self._update_engine
         if engine is not None and engine.nan_request != self._nan_probe_request:
             force = True  # a NaNOnsetDetector joined, left or changed
         if self.train_function is not None and not force:
