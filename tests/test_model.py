@@ -627,3 +627,44 @@ def test_from_model_of_a_model_without_shared_layers_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SafeDistributedModel.from_model(model)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_trainable_changed_without_compile_keeps_the_compiled_set_as_stock_does(
+    replicas, accumulation
+):
+    # Keras's rule: `trainable` as it was at compile() holds until compile()
+    # is called again. On TensorFlow stock keeps training the compiled set
+    # (JAX refuses the change instead, as Keras's JAX backend cannot train it).
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32")
+
+    def train(stock, batch_size):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((4,))
+        first, second = keras.layers.Dense(8), keras.layers.Dense(3)
+        outputs = second(first(inputs))
+        if stock:
+            model = keras.Model(inputs, outputs)
+        else:
+            model = SafeDistributedModel(
+                inputs, outputs, gradient_accumulation_steps=accumulation
+            )
+        first.trainable = False
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+        model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        compiled = [w.numpy().copy() for w in second.weights]
+        first.trainable, second.trainable = True, False
+        model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        return model.get_weights(), compiled, [w.numpy() for w in second.weights]
+
+    reference, _, _ = train(stock=True, batch_size=8)
+    with strategy_for(replicas).scope():
+        weights, before, after = train(stock=False, batch_size=8 // accumulation)
+
+    for ours, stock in zip(weights, reference):
+        np.testing.assert_allclose(ours, stock, rtol=1e-5, atol=1e-6)
+    # The compiled set, not the new one, trained in the second fit(): the
+    # first layer's bias is still its initial zeros, the second layer moved.
+    assert not np.any(weights[1])
+    assert any(np.abs(a - b).max() > 1e-3 for a, b in zip(after, before))
