@@ -139,13 +139,13 @@ class JAXUpdateEngine:
         self.norm_by_concatenation = joins_norm(values)
 
     def stale(self, nan_request=None):
-        """Whether the model's options, optimizer or NaN detector changed since this engine was built."""
+        """Whether the model's options, optimizer or NaN detector changed since this
+        engine was built (its trainable variables cannot have: `check_trainable`)."""
         model = self.model
         return (
             self.nan_request != nan_request
             or self.options != model.__dict__["_safe_dist_options"]
             or self.loss_scale is not _loss_scale_optimizer(model.optimizer)
-            or len(self.sums) not in (0, len(model.trainable_variables))
         )
 
     # Host side.
