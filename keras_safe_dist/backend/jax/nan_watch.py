@@ -21,21 +21,22 @@ they are: the host may read the record some steps late and still find the
 state of the onset. With `"restore"` the onset step's own update is held
 too, so the weights are those from before the onset batch.
 
-The host reads the record without waiting on the device and without a
-device operation of its own. The step also returns the record in its logs,
-which Keras does not donate to the next step; the train function takes it
-out of them (`log`, `take`), so Keras and the other callbacks never see it.
-Every `check_every` steps, rounded up to whole executions, the detector
-keeps a reference to the latest one, and reads the one it kept at the
-check before (`start_read`, `finish_read`). Its step has finished by then
-unless the device is that many steps behind (the read would wait for that
-step, not for the latest), so the read is a small host transfer. (An
-asynchronous copy started at the check before cost more host time: a
-check took 59 microseconds with it on a CPU, 32 without.) An onset is read at most
+The host reads the record without waiting on the device and without a device
+operation of its own. The step also returns the record in its logs, which
+Keras does not donate to the next step; the train function takes it out of
+them (`log`, `take`), so Keras and the other callbacks never see it. Every
+`check_every` steps, rounded up to whole executions, the detector keeps a
+reference to the latest one, and reads the one it kept at the check before
+(`start_read`, `finish_read`). Its step has finished by then unless the
+device is that many steps behind (the read would wait for that step, not for
+the latest), so the read is a small host transfer. (An asynchronous copy
+started at the check before cost more host time: a check took 59
+microseconds with it on a CPU, 32 without.) An onset is read at most
 `steps_to_stop` steps after it. At an epoch's end the record and every
-weight are read in one computation (`read_with_weights`). The batches of the steps that can
-run between an onset and its read are kept by reference (`record_batch`,
-`kept_batches`), so that the onset's micro-batches can be replayed.
+weight are read in one computation (`read_with_weights`). The batches of the
+steps that can run between an onset and its read are kept by reference
+(`record_batch`, `kept_batches`), so that the onset's micro-batches can be
+replayed.
 """
 
 import collections
