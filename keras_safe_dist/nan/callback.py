@@ -88,18 +88,17 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     one kept at the check before, whose step has finished by then; at each
     epoch's end it reads the record and checks the weights in one
     computation. No device operation of its own between steps. Training
-    therefore stops at most
-    `2 * check_every` steps after the onset with one step per execution,
-    `2 * C + N - 1` with N steps per execution and C the interval rounded up
-    to a multiple of N (at the epoch's end at the latest), with the state of
-    the onset. It then replays the micro-batches of the onset's accumulation
-    group eagerly with `model.stateless_call` (see
-    `keras_safe_dist.backend.jax.nan_locate`) to name the kind, the first
-    layer with a non-finite output from finite inputs and the sample `rows`;
-    the batches of the last
-    `2 * C + gradient_accumulation_steps` steps are kept by reference for it
-    (that many batches of device memory). A batch is one global array
-    there, so `replica` is None and `replicas` empty.
+    therefore stops at most `2 * check_every` steps after the onset with one
+    step per execution, `2 * C + N - 1` with N steps per execution and C the
+    interval rounded up to a multiple of N (at the epoch's end at the
+    latest), with the state of the onset. It then replays the micro-batches
+    of the onset's accumulation group eagerly with `model.stateless_call`
+    (see `keras_safe_dist.backend.jax.nan_locate`) to name the kind, the
+    first layer with a non-finite output from finite inputs and the sample
+    `rows`; the batches of the last `2 * C + gradient_accumulation_steps`
+    steps are kept by reference for it (that many batches of device memory).
+    A batch is one global array there, so `replica` is None and `replicas`
+    empty.
 
     With a plain `keras.Model` only the logged loss is checked each step, and
     the weights when it turns non-finite and at epoch ends: the report has
