@@ -458,16 +458,43 @@ def test_weight_and_activity_regularization(devices):
     def stock():
         reference = build(keras.Model)
         reference.compile(keras.optimizers.SGD(0.1), "mse")
-        reference.fit(x, y, batch_size=34, epochs=2, shuffle=False, verbose=0)
-        return reference
+        history = reference.fit(x, y, batch_size=34, epochs=2, shuffle=False, verbose=0)
+        return reference, history.history["loss"]
 
-    reference = _one_device(stock)
+    reference, expected = _one_device(stock)
     model = build(SafeDistributedModel, gradient_accumulation_steps=3)
     model.compile(keras.optimizers.SGD(0.1), "mse")
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
 
     assert _relative_error(model, reference) < 1e-5
-    assert np.isfinite(history.history["loss"]).all()
+    # The logged loss has the weight penalty of the weights each micro-batch
+    # ran with, as stock's has its batch's (read after the update, it was
+    # 2e-3 off with L2(0.01)).
+    assert history.history["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_logged_loss_has_the_penalty_of_the_weights_the_batch_ran_with(devices):
+    x, y, _ = regression_data(32)
+
+    def build(model_class):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.5))(inputs)
+        return model_class(inputs, keras.layers.Dense(1)(hidden))
+
+    def stock():
+        reference = build(keras.Model)
+        reference.compile(keras.optimizers.SGD(0.1), "mse")
+        history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return reference, history.history["loss"], reference.train_on_batch(x[:8], y[:8])
+
+    reference, expected, expected_batch = _one_device(stock)
+    model = build(SafeDistributedModel)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert history.history["loss"] == pytest.approx(expected, rel=1e-5)
+    assert model.train_on_batch(x[:8], y[:8]) == pytest.approx(expected_batch, rel=1e-5)
+    assert _relative_error(model, reference) < 1e-5
 
 
 def test_a_pending_group_is_applied_when_an_option_changes(devices):

@@ -245,8 +245,9 @@ class JAXTrainer(_compat.EpochEndOverride):
             trainable, optimizer_values, engine_values = engine.after_micro_batch(
                 grads, micro, trainable, optimizer_values, engine_values, hold
             )
+            # The logged loss's weight penalty: at the weights the micro-batch ran with.
             logs, metrics_values = self._metrics_logs(
-                metrics_values, trainable, logged, x, y, y_pred, sample_weight
+                metrics_values, trainable0, logged, x, y, y_pred, sample_weight
             )
         if engine.watch is not None:
             watch_values = engine.watch.snapshot_after(
@@ -317,7 +318,8 @@ class JAXTrainer(_compat.EpochEndOverride):
         """Updates the loss tracker with the one-device loss, then the compiled metrics.
 
         The loss tracker weighs each batch by its samples, as stock Keras's
-        JAX step does (for an overridden compute_loss() too).
+        JAX step does (for an overridden compute_loss() too). `trainable`:
+        the weights the micro-batch ran with, whose penalty the loss includes.
         """
         value, weight = logged
         mapping = [

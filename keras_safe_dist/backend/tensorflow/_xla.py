@@ -95,5 +95,7 @@ def replica_step(model, data):
     for t, mask in zip(keras.tree.flatten(y_pred), masks):
         if mask is not None:
             _compat.set_keras_mask(t, mask)
-    model._track_loss(engine.after_estimated_micro_batch(grads, micro, estimate))
+    # The penalty at the weights the micro-batch ran with, before the update.
+    penalty = _loss.weight_regularization(model)
+    model._track_loss(engine.after_estimated_micro_batch(grads, micro, estimate), penalty)
     return model._step_logs(x, y, y_pred, sample_weight)

@@ -278,11 +278,14 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
             micro = _loss.kept(micro, keep)
             contribution, objective, restore, logged = engine.objective(micro)
         grads = tape.gradient(objective, self.trainable_weights)
+        # The logged loss is the micro-batch's at the weights it ran with:
+        # the penalty is read before the update changes them.
+        penalty = None if engine.custom_loss else _loss.weight_regularization(self)
         engine.after_micro_batch(grads, contribution, restore)
         if engine.custom_loss:
             self._track_custom_loss(loss, x)
         else:
-            self._track_loss(logged)
+            self._track_loss(logged, penalty)
         logs = self._step_logs(x, y, y_pred, sample_weight)
         if probe is not None:
             logs.update(
@@ -317,16 +320,18 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         samples = tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
         tracker.update_state(_compat.unscale_loss(loss), sample_weight=samples)
 
-    def _track_loss(self, logged):
+    def _track_loss(self, logged, penalty):
         """Logs a micro-batch's loss as stock Keras on one device logs a batch's.
 
         Args:
             logged: `(value, weight)` from the update engine: the loss over
                 every replica's samples of the micro-batch, and this
                 replica's sample count.
+            penalty: the weight regularization penalty at the weights the
+                micro-batch ran with (`_loss.weight_regularization`, read
+                before the update), or None.
         """
         value, weight = logged
-        penalty = _loss.weight_regularization(self)
         if penalty is not None:
             value = value + penalty
         _compat.loss_tracker(self).update_state(value, sample_weight=weight)
