@@ -212,6 +212,24 @@ def test_steps_per_execution_matches_one_big_batch(replicas, execution, steps):
     assert int(model.optimizer.iterations.numpy()) == 2 * -(-10 // steps)
 
 
+def test_steps_per_epoch_not_a_multiple_of_steps_per_execution(replicas):
+    # Keras runs whole executions: steps_per_epoch=5 at 3 steps per execution
+    # runs 6 micro-batches an epoch, in groups of 2. Ending a group at step 5
+    # split the third group: 4 updates an epoch instead of 3, 0.18 off with Adam.
+    x, y, _ = regression_data(48)
+
+    def adam(**options):
+        return lambda: dict(optimizer=keras.optimizers.Adam(0.01), loss="mse", **options)
+
+    reference, model = twins(replicas, simple, adam(steps_per_execution=3), gradient_accumulation_steps=2)
+    repeated = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+    model.fit(repeated, epochs=3, steps_per_epoch=5, shuffle=False, verbose=0)
+    # Stock on one device, one batch per group: 3 epochs of 6 micro-batches.
+    reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 9
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
 def test_steps_per_execution_on_a_dataset_of_unknown_length(replicas):
     x, y, _ = regression_data(75)
 

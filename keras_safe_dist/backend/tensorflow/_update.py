@@ -92,8 +92,16 @@ class TensorFlowUpdateEngine:
         self.stats.assign(tf.zeros([len(_rule.FIELDS)], tf.float64))
 
     def begin_epoch(self, steps):
+        """Starts an epoch of `steps` steps (None: unknown).
+
+        Keras runs whole executions: with `steps_per_epoch=5` and
+        `steps_per_execution=3` an epoch runs 6 steps. The epoch's last
+        group is applied in-graph at the last step it can run; when the data
+        ends sooner, at the epoch's end (`end_epoch`).
+        """
         self.epoch_open = True
-        steps = -1 if steps is None else int(steps)
+        execution = self.model.steps_per_execution
+        steps = -1 if steps is None else execution * -(-int(steps) // execution)
         self.counters.assign(self.counters * [1, 0, 0] + [0, 0, steps])
         self.stats.assign(self.stats * _rule.KEPT_ACROSS_EPOCHS)
 
