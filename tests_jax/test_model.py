@@ -512,6 +512,26 @@ def test_a_pending_group_is_applied_when_an_option_changes(devices):
     assert _relative_error(model, reference) < 1e-5
 
 
+def test_a_group_pending_from_train_on_batch_is_applied_when_fit_begins(devices):
+    # It was carried into the fit's first group, shifting every group after it.
+    x, y, _ = regression_data(40)
+
+    def stock():
+        reference = _mlp(keras.Model)
+        reference.compile(keras.optimizers.SGD(0.1), "mse")
+        reference.train_on_batch(x[:8], y[:8])
+        reference.fit(x[8:], y[8:], batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return reference
+
+    reference = _one_device(stock)
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.train_on_batch(x[:8], y[:8])  # half a group
+    model.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3
+    assert _relative_error(model, reference) < 1e-5
+
+
 def _two_dense(model_class, **options):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((4,))

@@ -151,7 +151,11 @@ class JAXUpdateEngine:
     # Host side.
 
     def begin_fit(self):
-        """Zeroes the statistics, and a NaNOnsetDetector's counts: one compiled call."""
+        """Applies a group pending from `train_on_batch()` or an interrupted `fit()`
+        (as an option's change does; one small read), so that the fit's groups start
+        with its first micro-batch. Then zeroes the statistics, and a
+        NaNOnsetDetector's counts: one compiled call."""
+        self.flush()
         variables = [self.stats] + ([self.watch.counts] if self.watch else [])
         for variable, value in zip(variables, _RESET_FIT([v.value for v in variables])):
             variable.assign(value)

@@ -88,6 +88,10 @@ class TensorFlowUpdateEngine:
     # Host-side bookkeeping: a few eager variable writes per epoch, no reads.
 
     def begin_fit(self):
+        # A group pending from train_on_batch() or an interrupted fit() is
+        # applied first, as an option's change applies it (one small read):
+        # the fit's groups start with its first micro-batch.
+        self.flush()
         self.counters.assign([0, 0, -1])
         self.stats.assign(tf.zeros([len(_rule.FIELDS)], tf.float64))
 
