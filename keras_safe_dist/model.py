@@ -396,7 +396,9 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         `jit_compile=True` compiles each replica's forward and backward pass
         with XLA, keeping the all-reduce and the update outside it (then
         `model.jit_compile` reads False: Keras's whole-step compile is off),
-        and `jit_compile="auto"` resolves to False.
+        and `jit_compile="auto"` resolves to False. A partial accumulation
+        group pending from `train_on_batch()` is applied first, with the
+        optimizer it was accumulated for.
 
         Args:
             *args: the arguments of `keras.Model.compile`; the optimizer
@@ -424,6 +426,12 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         optimizer = args[0] if args else kwargs.get("optimizer", "default")
         if isinstance(optimizer, keras.optimizers.Optimizer):
             _check_optimizer(optimizer)
+        engine = getattr(self, "_update_engine", None)
+        if engine is not None:
+            # A group pending from train_on_batch() or an interrupted fit() is
+            # applied with the optimizer it was accumulated for, as when an
+            # option is assigned.
+            engine.flush()
         # The backend's trainer places and compiles (keras_safe_dist/backend/).
         super().compile(*args, **kwargs)
         try:

@@ -313,6 +313,16 @@ def test_a_group_pending_from_train_on_batch_is_applied_when_fit_begins(replicas
     assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
 
 
+def test_a_group_pending_from_train_on_batch_is_applied_when_compile_is_called_again(replicas):
+    x, y, _ = regression_data(8)
+    reference, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=2)
+    model.train_on_batch(x, y)  # half a group
+    with strategy_for(replicas).scope():
+        model.compile(**sgd_mse())
+    reference.train_on_batch(x, y)
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
 def test_first_batch_split_unevenly_trains():
     x, y, _ = regression_data(63)
     reference, model = twins(2, simple, sgd_mse)

@@ -532,6 +532,15 @@ def test_a_group_pending_from_train_on_batch_is_applied_when_fit_begins(devices)
     assert _relative_error(model, reference) < 1e-5
 
 
+def test_a_group_pending_from_train_on_batch_is_applied_when_compile_is_called_again(devices):
+    x, y, _ = regression_data(8)
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.train_on_batch(x, y)  # half a group
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    assert _relative_error(model, _stock_fit(x, y, 8)) < 1e-5
+
+
 def _two_dense(model_class, **options):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((4,))
