@@ -151,6 +151,38 @@ def swapped_loss_functions(compiled_loss, wrap):
         compiled_loss._flat_losses = original
 
 
+@contextlib.contextmanager
+def per_output_loss_weight(compiled_loss, weight):
+    """Makes a built `CompileLoss` weigh its per-output loss metrics' updates by `weight`.
+
+    Keras updates each output's `<name>_loss` metric with the output's
+    static batch size as the sample weight (`CompileLoss.__call__`): the
+    right weight on one device, but unknown on a replica of a
+    `tf.distribute` strategy, where each replica's value then counts 1,
+    also an empty share's 0.
+
+    Args:
+        compiled_loss: a built `CompileLoss`.
+        weight: the sample weight of each update (a scalar tensor: the
+            samples the loss was computed over).
+    """
+    metrics = [m for m in compiled_loss.metrics if m is not None]
+    for metric in metrics:
+        original = metric.update_state
+
+        def update_state(values, sample_weight=None, _original=original):
+            del sample_weight  # the static batch size
+            return _original(values, sample_weight=weight)
+
+        # Past the metric's attribute tracking; removed again below.
+        object.__setattr__(metric, "update_state", update_state)
+    try:
+        yield
+    finally:
+        for metric in metrics:
+            object.__delattr__(metric, "update_state")
+
+
 def keras_mask(tensor):
     """Returns the Keras mask attached to `tensor`, or None."""
     return _keras_backend.get_keras_mask(tensor)

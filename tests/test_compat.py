@@ -42,6 +42,26 @@ def test_compile_loss_flat_losses_can_be_swapped():
     assert float(compiled(y, y)) == 0.0
 
 
+def test_per_output_loss_metrics_take_the_given_weight():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(inputs), "b": keras.layers.Dense(1, name="b")(inputs)})
+    model.compile(loss={"a": "mse", "b": "mae"})
+    compiled = _compat.compile_loss(model)
+    y = {"a": np.ones((4, 1), "float32"), "b": np.ones((4, 1), "float32")}
+    pred = {"a": np.full((4, 1), 3.0, "float32"), "b": np.zeros((4, 1), "float32")}
+    compiled(y, pred)  # builds the per-output metrics
+    metrics = [m for m in compiled.metrics if m is not None]
+    assert [m.name for m in metrics] == ["a_loss", "b_loss"]
+    for metric in metrics:
+        metric.reset_state()
+    with _compat.per_output_loss_weight(compiled, keras.ops.convert_to_tensor(5.0)):
+        compiled(y, pred)
+    # Keras's own weight is the static batch size, 4.
+    assert [float(m.count) for m in metrics] == [5.0, 5.0]
+    assert [float(m.result()) for m in metrics] == [4.0, 1.0]
+    assert all("update_state" not in vars(m) for m in metrics)
+
+
 def test_loss_tracker_is_the_logged_mean():
     inputs = keras.Input((2,))
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))

@@ -93,7 +93,11 @@ def micro_batch_loss(model, y, y_pred, sample_weight):
     """Computes `MicroBatchLoss` with the model's compiled loss.
 
     The compiled loss still runs as Keras runs it, so per-output loss metrics
-    are updated exactly as in stock `fit()`.
+    are updated as in stock `fit()`, each weighted by the micro-batch's
+    samples on this replica (Keras weighs it by the output's static batch
+    size, unknown on a replica: there each replica's value counted 1, also an
+    empty share's 0). Their epoch value is then, for a loss whose
+    denominator counts samples, the one stock Keras logs on one device.
     """
     dtype = totals_dtype(model)
     samples = ops.cast(ops.shape(keras.tree.flatten(y_pred)[0])[0], dtype)
@@ -104,7 +108,9 @@ def micro_batch_loss(model, y, y_pred, sample_weight):
         def wrap(index, loss_fn, loss_weight):
             return _RecordingLoss(loss_fn, loss_weight, samples, terms)
 
-        with _compat.swapped_loss_functions(compiled, wrap):
+        with _compat.swapped_loss_functions(compiled, wrap), _compat.per_output_loss_weight(
+            compiled, samples
+        ):
             compiled(y, y_pred, sample_weight)
     summed = [] if _compat.activity_penalty_per_sample() else _compat.activity_losses(model)
     extra = additional_losses(model, excluded=summed)
