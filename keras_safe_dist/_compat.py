@@ -156,10 +156,10 @@ def per_output_loss_weight(compiled_loss, weight):
     """Makes a built `CompileLoss` weigh its per-output loss metrics' updates by `weight`.
 
     Keras updates each output's `<name>_loss` metric with the output's
-    static batch size as the sample weight (`CompileLoss.__call__`): the
-    right weight on one device, but unknown on a replica of a
-    `tf.distribute` strategy, where each replica's value then counts 1,
-    also an empty share's 0.
+    static batch size as the sample weight (`CompileLoss.__call__`): known
+    on JAX, but unknown in TensorFlow's traced step, where each batch's
+    value then counts 1 whatever its size, and under a `tf.distribute`
+    strategy each replica's, also an empty share's 0.
 
     Args:
         compiled_loss: a built `CompileLoss`.

@@ -95,9 +95,10 @@ def micro_batch_loss(model, y, y_pred, sample_weight):
     The compiled loss still runs as Keras runs it, so per-output loss metrics
     are updated as in stock `fit()`, each weighted by the micro-batch's
     samples on this replica (Keras weighs it by the output's static batch
-    size, unknown on a replica: there each replica's value counted 1, also an
-    empty share's 0). Their epoch value is then, for a loss whose
-    denominator counts samples, the one stock Keras logs on one device.
+    size, unknown in TensorFlow's traced step: there each batch's value, and
+    each replica's, counted 1, also an empty share's 0). For a loss whose
+    denominator counts samples, an output's epoch value is then its loss over
+    the epoch's samples, as stock Keras on one device computes it in one batch.
     """
     dtype = totals_dtype(model)
     samples = ops.cast(ops.shape(keras.tree.flatten(y_pred)[0])[0], dtype)

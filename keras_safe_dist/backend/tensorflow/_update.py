@@ -85,7 +85,8 @@ class TensorFlowUpdateEngine:
             tf.constant(value, dtype), trainable=False, aggregation=_FIRST
         )
 
-    # Host-side bookkeeping: a few eager variable writes per epoch, no reads.
+    # Host-side bookkeeping: a few eager variable writes per epoch; with
+    # accumulation, one small read when a fit() begins and at an epoch's end (`flush`).
 
     def begin_fit(self):
         # A group pending from train_on_batch() or an interrupted fit() is
