@@ -330,6 +330,24 @@ def test_a_group_pending_from_train_on_batch_is_applied_when_fit_begins(replicas
     assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
 
 
+def test_a_group_pending_from_an_interrupted_fit_is_applied_when_fit_begins(replicas):
+    x, y, _ = regression_data(40)
+    reference, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=2)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        # Stopped after its first micro-batch: half a group.
+        model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0, callbacks=[Interrupt()])
+    model.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    reference.train_on_batch(x[:8], y[:8])
+    reference.fit(x[8:], y[8:], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3
+    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+
 def test_a_group_pending_from_train_on_batch_is_applied_when_compile_is_called_again(replicas):
     x, y, _ = regression_data(8)
     reference, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=2)
