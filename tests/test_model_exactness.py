@@ -318,29 +318,27 @@ def test_logged_loss_has_the_penalty_of_the_weights_the_batch_ran_with(replicas,
     assert logged == pytest.approx(before, rel=1e-5)
 
 
-def test_a_group_pending_from_train_on_batch_is_applied_when_fit_begins(replicas):
+class _Interrupt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise KeyboardInterrupt
+
+
+def leave_half_a_group(model, x, y, how):
+    """Leaves the first micro-batch of 8 samples pending (accumulation 2)."""
+    if how == "train_on_batch":
+        model.train_on_batch(x[:8], y[:8])
+        return
+    with pytest.raises(KeyboardInterrupt):
+        # A fit() stopped after its first micro-batch.
+        model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0, callbacks=[_Interrupt()])
+
+
+@pytest.mark.parametrize("how", ["train_on_batch", "interrupted fit"])
+def test_a_pending_group_is_applied_when_fit_begins(replicas, how):
     # It was dropped: 0.35 from applying it, and no word of it.
     x, y, _ = regression_data(40)
     reference, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=2)
-    model.train_on_batch(x[:8], y[:8])  # half a group
-    model.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
-    reference.train_on_batch(x[:8], y[:8])
-    reference.fit(x[8:], y[8:], batch_size=16, epochs=1, shuffle=False, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 3
-    assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
-
-
-def test_a_group_pending_from_an_interrupted_fit_is_applied_when_fit_begins(replicas):
-    x, y, _ = regression_data(40)
-    reference, model = twins(replicas, simple, sgd_mse, gradient_accumulation_steps=2)
-
-    class Interrupt(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        # Stopped after its first micro-batch: half a group.
-        model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0, callbacks=[Interrupt()])
+    leave_half_a_group(model, x, y, how)
     model.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
     reference.train_on_batch(x[:8], y[:8])
     reference.fit(x[8:], y[8:], batch_size=16, epochs=1, shuffle=False, verbose=0)

@@ -512,7 +512,13 @@ def test_a_pending_group_is_applied_when_an_option_changes(devices):
     assert _relative_error(model, reference) < 1e-5
 
 
-def test_a_group_pending_from_train_on_batch_is_applied_when_fit_begins(devices):
+class _Interrupt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("how", ["train_on_batch", "interrupted fit"])
+def test_a_pending_group_is_applied_when_fit_begins(devices, how):
     # It was carried into the fit's first group, shifting every group after it.
     x, y, _ = regression_data(40)
 
@@ -526,32 +532,12 @@ def test_a_group_pending_from_train_on_batch_is_applied_when_fit_begins(devices)
     reference = _one_device(stock)
     model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2)
     model.compile(keras.optimizers.SGD(0.1), "mse")
-    model.train_on_batch(x[:8], y[:8])  # half a group
-    model.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 3
-    assert _relative_error(model, reference) < 1e-5
-
-
-def test_a_group_pending_from_an_interrupted_fit_is_applied_when_fit_begins(devices):
-    x, y, _ = regression_data(40)
-
-    def stock():
-        reference = _mlp(keras.Model)
-        reference.compile(keras.optimizers.SGD(0.1), "mse")
-        reference.train_on_batch(x[:8], y[:8])
-        reference.fit(x[8:], y[8:], batch_size=16, epochs=1, shuffle=False, verbose=0)
-        return reference
-
-    class Interrupt(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            raise KeyboardInterrupt
-
-    reference = _one_device(stock)
-    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2)
-    model.compile(keras.optimizers.SGD(0.1), "mse")
-    with pytest.raises(KeyboardInterrupt):
-        # Stopped after its first micro-batch: half a group.
-        model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0, callbacks=[Interrupt()])
+    # The first micro-batch of 8 samples left pending: half a group.
+    if how == "train_on_batch":
+        model.train_on_batch(x[:8], y[:8])
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0, callbacks=[_Interrupt()])
     model.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 3
     assert _relative_error(model, reference) < 1e-5
