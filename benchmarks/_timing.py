@@ -58,16 +58,25 @@ def median_interval(values, resamples=2000, seed=0):
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def interleave(configs, baseline, x, y, batch, rounds, wait=None, callbacks=None):
+def interleave(
+    configs, baseline, x, y, batch, rounds, wait=None, callbacks=None, balanced=False
+):
     """Times `configs` (name: model) epoch by epoch in rotating order.
 
     `wait` is passed to `epoch_seconds`; `callbacks` (name: list of
     callbacks, for some of the names) to the `fit()` of those names.
+    `balanced`: each round runs its rotation forward, then backward (A B B A),
+    and takes each config's mean of the two, so that a cost tied to a
+    position in the round (the first fit after another model's, a clock
+    ramping up) falls on every config alike. Without it, a round count that
+    the config count does not divide puts more rounds of one order into the
+    median.
 
     Returns:
         name: median epoch seconds, median ratio to `baseline` with its 95%
         bootstrap interval, the fixed cost per step against it in
-        microseconds, and each round's seconds.
+        microseconds, and each round's seconds (balanced: the mean of its two
+        fits).
     """
     callbacks = callbacks or {}
     for name, model in configs.items():
@@ -77,10 +86,14 @@ def interleave(configs, baseline, x, y, batch, rounds, wait=None, callbacks=None
     times = {name: [] for name in names}
     for round_ in range(rounds):
         shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(
+        order = names[shift:] + names[:shift]
+        seconds = {name: [] for name in names}
+        for name in order + (order[::-1] if balanced else []):
+            seconds[name].append(
                 epoch_seconds(configs[name], x, y, batch, wait, callbacks.get(name))
             )
+        for name in names:
+            times[name].append(statistics.fmean(seconds[name]))
     steps = -(-len(x) // batch)
     base = statistics.median(times[baseline])
     return {

@@ -350,7 +350,9 @@ def wait(model):
 def timing(configs, x, y, batch, rounds, callbacks=None):
     """`configs["other"]` against `configs["baseline"]`, and any further config
     (under "controls") against the same baseline, in one interleaved rotation."""
-    timed = interleave(configs, "baseline", x, y, batch, rounds, wait=wait, callbacks=callbacks)
+    timed = interleave(
+        configs, "baseline", x, y, batch, rounds, wait=wait, callbacks=callbacks, balanced=True
+    )
     base = timed["baseline"]
 
     def row(other):
@@ -363,6 +365,9 @@ def timing(configs, x, y, batch, rounds, callbacks=None):
             "ratio": other["median_ratio"],
             "ratio_interval": list(other["ratio_interval"]),
             "per_step_us": other["per_step_us"],
+            # Each round's epoch (the mean of its two fits), for a second look.
+            "baseline_rounds_ms": [1e3 * t for t in base["epoch_s"]],
+            "rounds_ms": [1e3 * t for t in other["epoch_s"]],
         }
 
     result = row(timed["other"])
@@ -505,6 +510,7 @@ def check(
     steps_scale=1,
     profile_host=False,
     ablate=False,
+    plain=False,
 ):
     start = time.perf_counter()
     size = SIZES[model][quick]
@@ -579,6 +585,19 @@ def check(
                 FIT_ROUNDS * rounds,
                 callbacks={"other": [detector]},
             )
+    if plain and model in DETECTOR_MODELS:
+        # A plain keras.Model keeps no record in its step: the detector reads
+        # each step's logged loss (docs/nan_detector.md), and this is its cost.
+        models["stock, detector"] = build(model, size, keras.Model, "sgd", steps_per_execution)
+        models["stock, detector"].set_weights(weights)
+        result["plain_detector"] = timing(
+            {"baseline": models["stock"], "other": models["stock, detector"]},
+            x,
+            y,
+            batch,
+            rounds,
+            callbacks={"other": [NaNOnsetDetector()]},
+        )
     # The diagnostics after the figures, the host's first: on an H200 one
     # run's cProfiled epochs, after a jax.profiler trace of the same models,
     # failed in the compiled step (CUDA_ERROR_LAUNCH_FAILED), and took the
@@ -665,6 +684,7 @@ def table(report):
             ("speed", "safe / stock", "stock"),
             ("detector", "detector / safe", "safe"),
             ("detector_per_fit", "detector / safe, one-execution fit", "safe"),
+            ("plain_detector", "plain model: detector / stock", "stock"),
         ):
             if key in result:
                 per_fit = key == "detector_per_fit"
@@ -770,6 +790,12 @@ def main(argv=None):
         help="also time the detector with each of its host-side parts left out "
         "(the batches kept, the checks, the epoch's read), against the safe model",
     )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="also time a plain keras.Model with the detector against the same without "
+        "(the detector reads each step's loss there)",
+    )
     args = parser.parse_args(argv)
     if args.steps_scale < 1:
         parser.error(f"--steps-scale must be an integer >= 1. Received: {args.steps_scale}")
@@ -814,6 +840,7 @@ def main(argv=None):
         "controls": args.controls,
         "steps_scale": args.steps_scale,
         "ablate": args.ablate,
+        "plain": args.plain,
         "models": {},
     }
     for name in models:
@@ -828,6 +855,7 @@ def main(argv=None):
             steps_scale=args.steps_scale,
             profile_host=args.host_profile,
             ablate=args.ablate,
+            plain=args.plain,
         )
         print(f"({name}: {report['models'][name]['seconds']:.0f} s)", flush=True)
         if args.json:
