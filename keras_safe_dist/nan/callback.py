@@ -96,7 +96,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     (see `keras_safe_dist.backend.jax.nan_locate`) to name the kind, the
     first layer with a non-finite output from finite inputs and the sample
     `rows`; the batches of the last `2 * C + gradient_accumulation_steps`
-    steps are kept by reference for it (that many batches of device memory).
+    steps are kept by reference for it (that many batches of device memory,
+    held after `fit()` returns until the next fit's batches push them out).
     A batch is one global array there, so `replica` is None and `replicas`
     empty.
 
