@@ -24,6 +24,7 @@ with the per-`fit()` and per-epoch work cancelled out.
 
 import collections
 import glob
+import threading
 
 import jax
 import keras
@@ -196,6 +197,32 @@ def test_a_fit_keeps_the_last_fits_batches_until_its_own_push_them_out():
     assert len(watch.batches) == 11
     assert [step for step, _ in watch.kept()] == [0, 1, 2]
     np.testing.assert_array_equal(np.asarray(watch.kept()[-1][1][0]), x[16:24])
+
+
+def test_the_checks_records_are_read_in_keras_callback_thread(monkeypatch):
+    # 100 steps, check_every=25: the records kept at steps 25, 50 and 75 are
+    # read at a batch end after their step, in Keras's callback thread; a
+    # check reads one itself only when that thread has not yet.
+    from keras_safe_dist.backend.jax import nan_watch
+
+    reads = []
+    finish_read = nan_watch.OnsetWatch.finish_read
+
+    def counted(handle):
+        reads.append(threading.current_thread() is threading.main_thread())
+        return finish_read(handle)
+
+    monkeypatch.setattr(nan_watch.OnsetWatch, "finish_read", staticmethod(counted))
+    inputs = keras.Input((4,))
+    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y, _ = regression_data(100 * 8)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+              callbacks=[NaNOnsetDetector(check_every=25)])
+    assert reads.count(False) >= 1, reads
+    # Each record at least once; again only where two of Keras's threads, or
+    # a check, read it before the first read was stored (not at each step).
+    assert 3 <= len(reads) <= 8, reads
 
 
 def test_the_nan_detector_adds_at_most_one_execution_to_a_fit(tmp_path):

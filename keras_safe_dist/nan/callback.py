@@ -84,10 +84,14 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     asynchronously: every `check_every` steps (rounded up to whole
     executions with `steps_per_execution > 1`) it keeps a reference to the
     record the last step returned (in its logs, which Keras does not donate;
-    the record is taken out of them before Keras sees them) and reads the
-    one kept at the check before, whose step has finished by then; at each
-    epoch's end it reads the record and checks the weights in one
-    computation. No device operation of its own between steps. Training
+    the record is taken out of them before Keras sees them) and acts on the
+    one kept at the check before, whose step has finished by then. That one
+    is read in Keras's callback thread, at the first batch end after its
+    step, so the check does not wait for the transfer (where Keras calls the
+    batch hooks in its own thread, or the thread has not read it yet, the
+    check reads it). At each epoch's end it reads the record and checks the
+    weights in one computation. No device operation of its own between
+    steps. Training
     therefore stops at most `2 * check_every` steps after the onset with one
     step per execution, `2 * C + N - 1` with N steps per execution and C the
     interval rounded up to a multiple of N (at the epoch's end at the
@@ -175,6 +179,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self.check_every = check_every
         self.report = None
         self._in_step = False
+        self._pending = None
+        self._read = None
 
     @property
     def requests_update_stats(self):
@@ -264,6 +270,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if self._jax:
             self._watch.reset(getattr(model, "steps_per_execution", 1))
         self._pending = None  # JAX: the record kept at the last check
+        self._read = None  # JAX: (record, its Onset), read in Keras's callback thread
         self._next_check = self.check_every
         self._epoch_starts = {}  # JAX: epoch -> its first step in this fit()
         self._steps_read = 0
@@ -271,6 +278,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._pending = None
+        self._read = None
         self._in_step = False
 
     def _check_steps_per_execution(self, model):
@@ -336,7 +344,15 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     # the detector names the onset batch there.
     def on_train_batch_end(self, batch, logs=None):
         if self._in_step:
-            return  # JAX: the step keeps the record (see on_train_batch_begin)
+            # JAX: the step keeps the record. Keras calls this hook in its
+            # callback thread, after the step's logs have reached the host:
+            # the record kept at the last check is read here, off the thread
+            # that dispatches the steps, for the next check to act on. Two
+            # of Keras's threads may read the same one: each stores the same.
+            pending, read = self._pending, self._read
+            if pending is not None and (read is None or read[0] is not pending):
+                self._read = (pending, self._watch.finish_read(pending))
+            return
         logs = logs or {}
         flags = {name: logs.pop(name) for name in _nan_flags.LOG_NAMES if name in logs}
         loss, norm = logs.get("loss"), logs.get("grad_norm")
@@ -495,9 +511,13 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     # JAX: the step's record.
 
     def _check_record(self):
-        if self._pending is not None:
-            onset = self._watch.finish_read(self._pending)
+        pending, read = self._pending, self._read
+        if pending is not None:
             self._pending = None
+            if read is not None and read[0] is pending:
+                onset = read[1]  # read in Keras's callback thread
+            else:
+                onset = self._watch.finish_read(pending)
             if self._act_on_record(onset):
                 return
         if self.report is None or (self.action == "continue" and not self._stopped_at_limit):
