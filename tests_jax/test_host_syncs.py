@@ -171,34 +171,6 @@ def test_batches_kept_for_the_replay_are_bounded():
     np.testing.assert_array_equal(np.asarray(watch.batches[-1][1][0]), x[-8:])
 
 
-def test_a_fit_keeps_the_last_fits_batches_until_its_own_push_them_out():
-    # Freeing them all when a fit begins costs the host about 6 µs an array
-    # on a GPU; the replay looks at the running fit's batches only.
-    inputs = keras.Input((4,))
-    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
-    model.compile(optimizer="sgd", loss="mse")
-    x, y, _ = regression_data(40 * 8)
-    seen = {}
-
-    class _AtBegin(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            watch = self.model._nan_link.watch
-            if watch is not None:
-                seen["held"], seen["kept"] = len(watch.batches), watch.kept()
-
-    def fit(rows):
-        model.fit(x[:rows], y[:rows], batch_size=8, epochs=1, verbose=0, shuffle=False,
-                  callbacks=[NaNOnsetDetector(check_every=5), _AtBegin()])
-
-    fit(40 * 8)
-    fit(3 * 8)
-    assert seen == {"held": 11, "kept": []}
-    watch = model._nan_link.watch
-    assert len(watch.batches) == 11
-    assert [step for step, _ in watch.kept()] == [0, 1, 2]
-    np.testing.assert_array_equal(np.asarray(watch.kept()[-1][1][0]), x[16:24])
-
-
 def test_the_checks_records_are_read_in_keras_callback_thread(monkeypatch):
     # 100 steps, check_every=25: the records kept at steps 25, 50 and 75 are
     # read at a batch end after their step, in Keras's callback thread; a

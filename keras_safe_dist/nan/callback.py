@@ -101,7 +101,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     first layer with a non-finite output from finite inputs and the sample
     `rows`; the batches of the last `2 * C + gradient_accumulation_steps`
     steps are kept by reference for it (that many batches of device memory,
-    held after `fit()` returns until the next fit's batches push them out).
+    held until the next `fit()` begins).
     A batch is one global array there, so `replica` is None and `replicas`
     empty.
 

@@ -29,7 +29,9 @@ them (`log`, `take`), so Keras and the other callbacks never see it. Every
 reference to the latest one, and reads the one it kept at the check before
 (`start_read`, `finish_read`). Its step has finished by then unless the
 device is that many steps behind (the read would wait for that step, not for
-the latest), so the read is a small host transfer. (An asynchronous copy
+the latest), so the read is a small host transfer; the detector makes it in
+Keras's callback thread at a batch end after the step, where it can, so that
+the check finds it done. (An asynchronous copy
 started at the check before cost more host time: a check took 59
 microseconds with it on a CPU, 32 without.) An onset is read at most
 `steps_to_stop` steps after it. At an epoch's end the record and every
@@ -141,36 +143,24 @@ class OnsetWatch:
         self.laid_out_like = {id(c): v for c, v in zip(self.snapshot, sources)}
         self.variables = [self.counts, self.history, *self.snapshot]
         self.batches = collections.deque(maxlen=kept_batches(request.check_every, 1, self.steps))
-        self.pulled = 0  # batches kept since the watch was made
-        self.first = 0  # the index of this fit()'s first batch
+        self.pulled = 0
         self.latest = None
 
     # Host side.
 
     def reset(self, steps_per_execution=1):
-        """Starts a `fit()` on the host. (The update engine zeroes the counts on
-        the device with its statistics, `begin_fit`.)
-
-        The last fit's batches stay until this fit's push them out: freeing
-        all of them here would cost the host about 6 microseconds an array
-        on a GPU (measured on an H200, `benchmarks/host_breakdown.py`),
-        before the fit's first step. `group` looks at this fit's only.
-        """
-        maxlen = kept_batches(self.request.check_every, steps_per_execution, self.steps)
-        if self.batches.maxlen != maxlen:
-            self.batches = collections.deque(self.batches, maxlen=maxlen)
-        self.first = self.pulled
+        """Starts a `fit()` on the host: no batches kept. (The update engine
+        zeroes the counts on the device with its statistics, `begin_fit`.)"""
+        self.batches = collections.deque(
+            maxlen=kept_batches(self.request.check_every, steps_per_execution, self.steps)
+        )
+        self.pulled = 0
         self.latest = None
 
     def record_batch(self, batch):
         """Keeps a reference to the batch the next step trains on (no copy)."""
         self.batches.append((self.pulled, batch))
         self.pulled += 1
-
-    def kept(self):
-        """`(step, batch)` of the batches kept from this `fit()`, oldest first
-        (steps counted from the fit's first)."""
-        return [(index - self.first, batch) for index, batch in self.batches if index >= self.first]
 
     def group(self, onset):
         """The micro-batches of the onset's accumulation group up to the onset, oldest first.
@@ -179,7 +169,7 @@ class OnsetWatch:
             `(first step, batches)`; no batches when they are no longer kept.
         """
         first = onset.step - max(onset.position, 1) + 1
-        kept = dict(self.kept())
+        kept = {step: batch for step, batch in self.batches}
         if any(step not in kept for step in range(first, onset.step + 1)):
             return first, []
         return first, [kept[step] for step in range(first, onset.step + 1)]
