@@ -140,9 +140,10 @@ def test_the_dashboard_adds_no_execution_or_host_sync_per_step(stock, tmp_path):
 @pytest.mark.parametrize("action", ["stop", "restore", "continue"])
 def test_the_nan_detector_adds_no_execution_or_host_sync_per_step(stock, tmp_path, action):
     # 50 steps hold 2 more checks at check_every=25 (steps 25 and 50 of the
-    # longer fit). Each starts the transfer of the record the last step
-    # returned in its logs, and reads the one started at the check before,
-    # which waits for that step, not the last: no device operation of its own.
+    # longer fit). Each keeps the record the last step returned in its logs,
+    # and acts on the one kept at the check before, read in Keras's callback
+    # thread (or by the check) once its step, not the last, has finished:
+    # no device operation of its own.
     callbacks = lambda: [NaNOnsetDetector(action=action, check_every=25)]  # noqa: E731
     executions, drains = _per_50_steps(_mlp(SafeDistributedModel), callbacks, tmp_path)
     assert executions == stock[0]
