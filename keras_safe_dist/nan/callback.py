@@ -86,10 +86,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     record the last step returned (in its logs, which Keras does not donate;
     the record is taken out of them before Keras sees them) and acts on the
     one kept at the check before, whose step has finished by then. That one
-    is read in Keras's callback thread, at the first batch end after its
-    step, so the check does not wait for the transfer (where Keras calls the
-    batch hooks in its own thread, or the thread has not read it yet, the
-    check reads it). At each epoch's end it reads the record and checks the
+    is read in Keras's callback thread, at a batch end after the check that
+    kept it, so the next check does not wait for the transfer (where Keras
+    runs the batch hooks on the thread that dispatches the steps, or its
+    callback thread has not read it yet, the check reads it). At each epoch's end it reads the record and checks the
     weights in one computation. No device operation of its own between
     steps. Training
     therefore stops at most `2 * check_every` steps after the onset with one

@@ -30,8 +30,8 @@ reference to the latest one, and reads the one it kept at the check before
 (`start_read`, `finish_read`). Its step has finished by then unless the
 device is that many steps behind (the read would wait for that step, not for
 the latest), so the read is a small host transfer; the detector makes it in
-Keras's callback thread at a batch end after the step, where it can, so that
-the check finds it done. (An asynchronous copy
+Keras's callback thread at a batch end after the check that kept it, where it
+can, so that the next check finds it done. (An asynchronous copy
 started at the check before cost more host time: a check took 59
 microseconds with it on a CPU, 32 without.) An onset is read at most
 `steps_to_stop` steps after it. At an epoch's end the record and every
