@@ -27,8 +27,9 @@ against stock `keras.Model` on the same device:
    rounding any re-split of a batch causes, which accumulation cannot beat.
 3. Speed: safe (`gradient_accumulation_steps=1`) against stock, epoch time,
    interleaved rounds after a warm-up epoch each, each epoch waited for on the
-   device; the median of the rounds' ratios with a 95% bootstrap interval,
-   and the difference of the median epochs per step.
+   device, each round's rotation run forward then backward (its epochs the
+   mean of the two); the median of the rounds' ratios with a 95% bootstrap
+   interval, and the difference of the median epochs per step.
 4. `NaNOnsetDetector()` on a healthy run: safe with it against safe without
    (MLP and convnet).
 
@@ -65,6 +66,8 @@ Usage, from the repository root:
              --ablate (the detector also with each of its host-side parts
              left out, in the same rotation against the safe model: which
              part its cost is)
+             --plain (a plain keras.Model with the detector against stock:
+             the detector reads each step's loss there)
     The JSON is rewritten after each model, so a run stopped at a time limit
     keeps the models it finished.
 """
