@@ -159,13 +159,20 @@ def test_with_a_plain_keras_model_the_detector_waits_for_each_step(stock, tmp_pa
     assert drains >= 90
 
 
-def test_batches_kept_for_the_replay_are_bounded():
+def _fit_with_detector(steps, check_every):
+    """`(model, x)`: a Dense(1) SafeDistributedModel after one epoch of
+    `steps` batches of 8 with a `NaNOnsetDetector(check_every=check_every)`."""
     inputs = keras.Input((4,))
     model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse")
-    x, y, _ = regression_data(40 * 8)
+    x, y, _ = regression_data(steps * 8)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-              callbacks=[NaNOnsetDetector(check_every=5)])
+              callbacks=[NaNOnsetDetector(check_every=check_every)])
+    return model, x
+
+
+def test_batches_kept_for_the_replay_are_bounded():
+    model, x = _fit_with_detector(40, check_every=5)
     watch = model._nan_link.watch
     assert len(watch.batches) == 2 * 5 + 1
     assert [step for step, _ in watch.batches] == list(range(40 - 11, 40))
@@ -186,16 +193,12 @@ def test_the_checks_records_are_read_in_keras_callback_thread(monkeypatch):
         return finish_read(handle)
 
     monkeypatch.setattr(nan_watch.OnsetWatch, "finish_read", staticmethod(counted))
-    inputs = keras.Input((4,))
-    model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
-    model.compile(optimizer="sgd", loss="mse")
-    x, y, _ = regression_data(100 * 8)
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-              callbacks=[NaNOnsetDetector(check_every=25)])
+    _fit_with_detector(100, check_every=25)
+    # The record kept at step 75 has no check after it: Keras's callback
+    # thread reads it before the epoch ends. The others: that thread or the
+    # next check, and both only when the check came while the thread read.
     assert reads.count(False) >= 1, reads
-    # Each record at least once; again only where two of Keras's threads, or
-    # a check, read it before the first read was stored (not at each step).
-    assert 3 <= len(reads) <= 8, reads
+    assert 3 <= len(reads) <= 5, reads
 
 
 def test_the_nan_detector_adds_at_most_one_execution_to_a_fit(tmp_path):

@@ -2,6 +2,7 @@
 
 import collections
 import math
+import threading
 import warnings
 
 import keras
@@ -181,6 +182,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._in_step = False
         self._pending = None
         self._read = None
+        self._reading = None
 
     @property
     def requests_update_stats(self):
@@ -271,6 +273,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             self._watch.reset(getattr(model, "steps_per_execution", 1))
         self._pending = None  # JAX: the record kept at the last check
         self._read = None  # JAX: (record, its Onset), read in Keras's callback thread
+        self._reading = threading.Lock()  # held by the callback thread reading it
         self._next_check = self.check_every
         self._epoch_starts = {}  # JAX: epoch -> its first step in this fit()
         self._steps_read = 0
@@ -279,6 +282,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._pending = None
         self._read = None
+        self._reading = None
         self._in_step = False
 
     def _check_steps_per_execution(self, model):
@@ -345,13 +349,16 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._in_step:
             # JAX: the step keeps the record. Keras calls this hook in its
-            # callback thread, after the step's logs have reached the host:
-            # the record kept at the last check is read here, off the thread
-            # that dispatches the steps, for the next check to act on. Two
-            # of Keras's threads may read the same one: each stores the same.
-            pending, read = self._pending, self._read
-            if pending is not None and (read is None or read[0] is not pending):
-                self._read = (pending, self._watch.finish_read(pending))
+            # callback threads, after the step's logs have reached the host:
+            # the record kept at the last check is read here, once, off the
+            # thread that dispatches the steps, for the next check to act on.
+            if self._unread(self._pending) and self._reading.acquire(blocking=False):
+                try:
+                    pending = self._pending
+                    if self._unread(pending):
+                        self._read = (pending, self._watch.finish_read(pending))
+                finally:
+                    self._reading.release()
             return
         logs = logs or {}
         flags = {name: logs.pop(name) for name in _nan_flags.LOG_NAMES if name in logs}
@@ -509,6 +516,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 report["epoch"], report["batch"] = self._previous
 
     # JAX: the step's record.
+
+    def _unread(self, pending):
+        """Whether `pending` (a record kept at a check, or None) is still to be read."""
+        read = self._read
+        return pending is not None and (read is None or read[0] is not pending)
 
     def _check_record(self):
         pending, read = self._pending, self._read
