@@ -90,9 +90,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     is read in Keras's callback thread, at a batch end after the check that
     kept it, so the next check does not wait for the transfer (where Keras
     runs the batch hooks on the thread that dispatches the steps, or its
-    callback thread has not read it yet, the check reads it). At each epoch's end it reads the record and checks the
-    weights in one computation. No device operation of its own between
-    steps. Training
+    callback thread has not read it yet, the check reads it). At each
+    epoch's end it reads the record and checks the weights in one
+    computation. No device operation of its own between steps. Training
     therefore stops at most `2 * check_every` steps after the onset with one
     step per execution, `2 * C + N - 1` with N steps per execution and C the
     interval rounded up to a multiple of N (at the epoch's end at the
@@ -517,18 +517,21 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     # JAX: the step's record.
 
+    def _read_onset(self, pending):
+        """The `Onset` a callback thread read for `pending` (a record kept at a check), or None."""
+        read = self._read
+        return read[1] if read is not None and read[0] is pending else None
+
     def _unread(self, pending):
         """Whether `pending` (a record kept at a check, or None) is still to be read."""
-        read = self._read
-        return pending is not None and (read is None or read[0] is not pending)
+        return pending is not None and self._read_onset(pending) is None
 
     def _check_record(self):
-        pending, read = self._pending, self._read
+        pending = self._pending
         if pending is not None:
             self._pending = None
-            if read is not None and read[0] is pending:
-                onset = read[1]  # read in Keras's callback thread
-            else:
+            onset = self._read_onset(pending)  # read in Keras's callback thread
+            if onset is None:
                 onset = self._watch.finish_read(pending)
             if self._act_on_record(onset):
                 return
