@@ -44,7 +44,7 @@ from keras_safe_dist.backend.jax import nan_watch  # noqa: E402
 from keras_safe_dist.backend.jax import trainer as _jax_trainer  # noqa: E402
 from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
 
-from _timing import no_collection  # noqa: E402
+from _timing import epoch_seconds  # noqa: E402
 
 # (owner, method names): the calls timed, whichever configuration makes them.
 TIMED = (
@@ -100,11 +100,7 @@ def timed_train_function(model, timers):
 
 
 def one_fit(model, x, y, batch, callbacks, timers):
-    with no_collection():
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
-        gpu_check.wait(model)
-        seconds = time.perf_counter() - start
+    seconds = epoch_seconds(model, x, y, batch, wait=gpu_check.wait, callbacks=callbacks)
     timed, calls = timers.take()
     timed["fit"], calls["fit"] = seconds, 1
     return timed, calls
