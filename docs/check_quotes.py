@@ -3,7 +3,8 @@
 Runs, each in a fresh temporary folder:
 
 - `examples/hunt_nan.py`: its paragraph must equal the one quoted in
-  docs/nan_detector.md, and the README's shortened quote must match it;
+  docs/nan_detector.md (the onset batch's logged loss may read `nan` instead:
+  that depends on the CPU), and the README's shortened quote must match it;
 - the README's quickstart (the Python block after "Save this as
   `quickstart.py`"), then `keras-safe-dist report logs/quickstart`: the
   statistics table must equal the README's.
@@ -53,6 +54,24 @@ def text_blocks(path):
     return re.findall(r"```text\n(.*?)```", path.read_text(), re.DOTALL)
 
 
+_NUMBER = r"(?:nan|-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
+# The logged losses the hunt_nan paragraph lists; the last is the onset batch's.
+_LOGGED = re.compile(rf"(Logged loss over the last \d+ steps: (?:{_NUMBER}, )*)({_NUMBER})\. ")
+
+
+def onset_loss_as_quoted(paragraph, quoted):
+    """`paragraph` with the onset batch's logged loss as `quoted` has it, where it printed `nan`.
+
+    Whether the NaN of hunt_nan's batch 9 reaches the logged mean depends on
+    the CPU's kernels (a ReLU's max may return 0 for NaN): docs/nan_detector.md
+    says both. Any other difference stays.
+    """
+    printed, kept = _LOGGED.search(paragraph), _LOGGED.search(quoted)
+    if printed is None or kept is None or printed.group(2) != "nan":
+        return paragraph
+    return paragraph[: printed.start(2)] + kept.group(2) + paragraph[printed.end(2) :]
+
+
 def check_hunt_nan():
     """Drift of the hunt_nan paragraph quoted in docs/nan_detector.md and README.md."""
     with tempfile.TemporaryDirectory() as folder:
@@ -60,6 +79,8 @@ def check_hunt_nan():
     paragraph = joined(out.split("\n\n")[0])
     problems = []
     quoted = [joined(b) for b in text_blocks(NAN_DOC) if b.startswith("NaN onset at epoch")]
+    if quoted and len(quoted) == 1:
+        paragraph = onset_loss_as_quoted(paragraph, quoted[0])
     if quoted != [paragraph]:
         problems.append(diff("docs/nan_detector.md", quoted[0] if quoted else "", paragraph))
     readme = joined(README.read_text())

@@ -184,7 +184,7 @@ def test_ablated_detector_leaves_out_only_its_parts(leave_out, monkeypatch):
     model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse")
     detector = gpu_check.AblatedDetector(leave_out)
-    calls = {"start_read": 0, "read_with_weights": 0}
+    calls = {"start_read": 0, "read_with_weights": 0, "record_batch": 0}
     original = gpu_check.NaNOnsetDetector.on_train_begin
 
     def counted_begin(self, logs=None):
@@ -206,5 +206,5 @@ def test_ablated_detector_leaves_out_only_its_parts(leave_out, monkeypatch):
     assert calls == {
         "start_read": 0 if "checks" in leave_out else 1,
         "read_with_weights": 0 if "epoch_read" in leave_out else 1,
+        "record_batch": 0 if "batches" in leave_out else 40,
     }
-    assert len(detector._watch.batches) == (0 if "batches" in leave_out else 40)

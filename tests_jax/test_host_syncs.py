@@ -159,7 +159,18 @@ def test_with_a_plain_keras_model_the_detector_waits_for_each_step(stock, tmp_pa
     assert drains >= 90
 
 
-def _fit_with_detector(steps, check_every):
+class _KeptAtEpochEnd(keras.callbacks.Callback):
+    """Copies the list of batches the detector keeps at each epoch's end (after the detector's hook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.kept.append(list(self.model._nan_link.watch.batches))
+
+
+def _fit_with_detector(steps, check_every, callbacks=()):
     """`(model, x)`: a Dense(1) SafeDistributedModel after one epoch of
     `steps` batches of 8 with a `NaNOnsetDetector(check_every=check_every)`."""
     inputs = keras.Input((4,))
@@ -167,16 +178,19 @@ def _fit_with_detector(steps, check_every):
     model.compile(optimizer="sgd", loss="mse")
     x, y, _ = regression_data(steps * 8)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-              callbacks=[NaNOnsetDetector(check_every=check_every)])
+              callbacks=[NaNOnsetDetector(check_every=check_every), *callbacks])
     return model, x
 
 
-def test_batches_kept_for_the_replay_are_bounded():
-    model, x = _fit_with_detector(40, check_every=5)
+def test_batches_kept_for_the_replay_are_bounded_and_released_when_the_fit_ends():
+    seen = _KeptAtEpochEnd()
+    model, x = _fit_with_detector(40, check_every=5, callbacks=[seen])
+    (kept,) = seen.kept
+    assert len(kept) == 2 * 5 + 1
+    assert [step for step, _ in kept] == list(range(40 - 11, 40))
+    np.testing.assert_array_equal(np.asarray(kept[-1][1][0]), x[-8:])
     watch = model._nan_link.watch
-    assert len(watch.batches) == 2 * 5 + 1
-    assert [step for step, _ in watch.batches] == list(range(40 - 11, 40))
-    np.testing.assert_array_equal(np.asarray(watch.batches[-1][1][0]), x[-8:])
+    assert (len(watch.batches), watch.latest) == (0, None)
 
 
 def test_the_checks_records_are_read_in_keras_callback_thread(monkeypatch):

@@ -102,7 +102,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     first layer with a non-finite output from finite inputs and the sample
     `rows`; the batches of the last `2 * C + gradient_accumulation_steps`
     steps are kept by reference for it (that many batches of device memory,
-    held until the next `fit()` begins).
+    until the `fit()` ends).
     A batch is one global array there, so `replica` is None and `replicas`
     empty.
 
@@ -180,6 +180,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self.check_every = check_every
         self.report = None
         self._in_step = False
+        self._watch = None
+        self._jax = False
         self._pending = None
         self._read = None
         self._reading = None
@@ -280,6 +282,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._stopped_at_limit = False
 
     def on_train_end(self, logs=None):
+        if self._jax:
+            self._watch.release()  # the batches kept for a replay: none is left to make
         self._pending = None
         self._read = None
         self._reading = None

@@ -38,7 +38,7 @@ microseconds with it on a CPU, 32 without.) An onset is read at most
 weight are read in one computation (`read_with_weights`). The batches of the
 steps that can run between an onset and its read are kept by reference
 (`record_batch`, `kept_batches`), so that the onset's micro-batches can be
-replayed.
+replayed, until the `fit()` ends (`release`).
 """
 
 import collections
@@ -155,6 +155,12 @@ class OnsetWatch:
             maxlen=kept_batches(self.request.check_every, steps_per_execution, self.steps)
         )
         self.pulled = 0
+        self.latest = None
+
+    def release(self):
+        """Drops the kept batches and the latest record when a `fit()` ends, so
+        that their device memory is free before the next call."""
+        self.batches.clear()
         self.latest = None
 
     def record_batch(self, batch):
