@@ -1,5 +1,6 @@
 """Clipping after the all-reduce, non-finite skipping, one all-reduce per update, loss scaling."""
 
+import logging
 import warnings
 
 import keras
@@ -267,3 +268,26 @@ def test_epoch_spread_of_grad_norm_and_samples_covers_every_applied_update(repli
         assert history["grad_norm_max"][epoch] == pytest.approx(max(norms), rel=1e-5)
         assert history["grad_norm_mean"][epoch] == pytest.approx(np.mean(norms), rel=1e-5)
         assert history["skipped_updates"][epoch] == (epoch + 1 if skip else 0)
+
+
+def test_models_built_one_after_another_do_not_warn_of_the_flushs_retracing():
+    # TensorFlow counts the traces of every tf.function of one code object
+    # together: five models with accumulation used to warn that the epoch-end
+    # flush "triggered tf.function retracing" (each traced it once, as it must).
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    tf.get_logger().addHandler(handler)
+    try:
+        x, y, _ = regression_data(12)
+        for _ in range(5):
+            inputs = keras.Input((x.shape[1],))
+            model = SafeDistributedModel(
+                inputs, keras.layers.Dense(1)(inputs), gradient_accumulation_steps=2
+            )
+            model.compile(optimizer="sgd", loss="mse")
+            model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+            assert model._update_engine.flush_function.experimental_get_tracing_count() == 1
+    finally:
+        tf.get_logger().removeHandler(handler)
+    assert [m for m in messages if "retracing" in m and "_flush" in m] == []

@@ -12,6 +12,8 @@ context, which is what makes Keras's own accumulation crash under
 reduced values.
 """
 
+import functools
+
 import keras
 import tensorflow as tf
 
@@ -78,7 +80,12 @@ class TensorFlowUpdateEngine:
             self.counters = self._mirrored([0, 0, -1], tf.int64)
             # see _rule.FIELDS
             self.stats = self._mirrored([0.0] * len(_rule.FIELDS), tf.float64)
-        self.flush_function = tf.function(self._flush)
+        # A partial, not the bound method: TensorFlow counts the traces of
+        # every tf.function of one code object together, so each new model's
+        # first flush read as a retrace ("5 out of the last 9 calls to
+        # <bound method TensorFlowUpdateEngine._flush ...> triggered
+        # tf.function retracing"); a partial is counted on its own.
+        self.flush_function = tf.function(functools.partial(type(self)._flush, self))
 
     def _mirrored(self, value, dtype):
         return tf.Variable(
