@@ -473,3 +473,21 @@ def test_a_traced_tensor_is_told_same_for_every_sample_only_when_no_data_reaches
     step(tf.constant([[3, 4, 5]]))
     assert found == {"data": False, "range": True, "captured": True, "dynamic shape": False}
     assert _tf_compat.same_for_every_sample(tf.constant([1])) is False  # eager: nothing to walk
+
+
+def test_instance_functions_are_counted_apart_by_tensorflows_retracing_warning():
+    # TensorFlow keys its retracing count by code object (a private method):
+    # two instances' bound methods share a key, their instance_function don't.
+    class Engine:
+        def step(self):
+            return tf.constant(1.0)
+
+    first, second = Engine(), Engine()
+    shared = [tf.function(engine.step)._get_key_for_call_stats() for engine in (first, second)]
+    assert shared[0] is shared[1] is Engine.step.__code__
+    apart = [
+        _tf_compat.instance_function(engine.step)._get_key_for_call_stats()
+        for engine in (first, second)
+    ]
+    assert apart[0] is not apart[1]
+    assert float(_tf_compat.instance_function(first.step, jit_compile=False)()) == 1.0

@@ -7,6 +7,7 @@ breaking training silently.
 """
 
 import contextlib
+import functools
 import threading
 
 import keras
@@ -408,3 +409,17 @@ def _captured_constant(placeholder):
                 external.dtype != tf.resource
             )
     return False
+
+
+def instance_function(function, **options):
+    """`tf.function(function, **options)` whose traces TensorFlow counts on their own.
+
+    `function`: a bound method or a closure of one instance (a model, an
+    engine). TensorFlow counts the traces of every tf.function of one code
+    object together (its private `_get_key_for_call_stats`) and warns of
+    "retracing" once five of the last calls traced: models built one after
+    another, each tracing its own function once as it must, read as one
+    function retracing. A `functools.partial` has no code object, so
+    TensorFlow counts it apart.
+    """
+    return tf.function(functools.partial(function), **options)

@@ -12,8 +12,6 @@ context, which is what makes Keras's own accumulation crash under
 reduced values.
 """
 
-import functools
-
 import keras
 import tensorflow as tf
 
@@ -80,12 +78,8 @@ class TensorFlowUpdateEngine:
             self.counters = self._mirrored([0, 0, -1], tf.int64)
             # see _rule.FIELDS
             self.stats = self._mirrored([0.0] * len(_rule.FIELDS), tf.float64)
-        # A partial, not the bound method: TensorFlow counts the traces of
-        # every tf.function of one code object together, so each new model's
-        # first flush read as a retrace ("5 out of the last 9 calls to
-        # <bound method TensorFlowUpdateEngine._flush ...> triggered
-        # tf.function retracing"); a partial is counted on its own.
-        self.flush_function = tf.function(functools.partial(type(self)._flush, self))
+        # Traced once per engine: counted apart from other models' flushes.
+        self.flush_function = _tf_compat.instance_function(self._flush)
 
     def _mirrored(self, value, dtype):
         return tf.Variable(

@@ -66,6 +66,7 @@ its slots per step, and two copies' worth of memory.
 import keras
 import tensorflow as tf
 
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 from keras_safe_dist.nan.flags import LOG_NAMES
 from keras_safe_dist.nan.flags import MAX_REPLICAS
 from keras_safe_dist.nan.flags import MAX_REPLICAS_FOR_FLOAT32
@@ -395,7 +396,7 @@ class WeightCheck:
 
     def __init__(self, variables):
         self.variables = _floating(variables)
-        self.function = tf.function(
+        self.function = _tf_compat.instance_function(
             lambda: _finite_each([tf.convert_to_tensor(v) for v in self.variables])
         )
 

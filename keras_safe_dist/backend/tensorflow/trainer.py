@@ -196,7 +196,7 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         # its own, and capture, copy and check before it. Held in a plain
         # function: SavedModel exports a model's tf.function attributes, and
         # cannot export a train step.
-        xla_step = tf.function(self._step, jit_compile=True, reduce_retracing=True)
+        xla_step = _tf_compat.instance_function(self._step, jit_compile=True, reduce_retracing=True)
         self._xla_step = lambda data: xla_step(data)
         self.jit_compile = False
         try:
