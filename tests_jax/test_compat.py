@@ -145,6 +145,39 @@ def test_keras_looks_up_its_epoch_iterator_in_the_trainer_module_at_each_call():
     assert keras_jax_trainer.JAXEpochIterator is iterator
 
 
+@pytest.mark.parametrize("placed", [False, True], ids=["cpu", "accelerator"])
+def test_keras_s_epoch_iterator_reads_each_batch_from_its_adapter_s_get_jax_iterator(
+    placed, monkeypatch
+):
+    if placed:  # Keras places each batch on the device, one step ahead.
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x = np.arange(40, dtype="float32").reshape(10, 4)
+    iterator = _jax_compat.epoch_iterator_class()(x=x, y=x[:, :1], batch_size=4, shuffle=False)
+    assert _jax_compat.host_batches_are_fresh(iterator)
+    pulled = []
+    _jax_compat.record_host_batches(iterator, pulled.append)
+    yielded = []
+    for _ in range(2):
+        with iterator.catch_stop_iteration():
+            for _, _, batches in iterator:
+                yielded.append(next(batches))
+        iterator.reset()
+    assert [len(b[0]) for b in pulled] == [4, 4, 2] * 2
+    assert all(isinstance(b[0], np.ndarray) for b in pulled)
+    assert [isinstance(b[0], jax.Array) for b in yielded] == [placed] * 6
+    for host, device in zip(pulled, yielded):
+        np.testing.assert_array_equal(host[0], np.asarray(device[0]))
+
+
+def test_a_generator_s_batches_are_not_fresh():
+    def batches():
+        while True:
+            yield np.zeros((4, 4), "float32"), np.zeros((4, 1), "float32")
+
+    iterator = _jax_compat.epoch_iterator_class()(x=batches(), steps_per_epoch=2)
+    assert not _jax_compat.host_batches_are_fresh(iterator)
+
+
 def test_the_coordination_client_and_keras_seed_agreement_exist():
     from jax._src import distributed
 

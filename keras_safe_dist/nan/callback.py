@@ -101,8 +101,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     (see `keras_safe_dist.backend.jax.nan_locate`) to name the kind, the
     first layer with a non-finite output from finite inputs and the sample
     `rows`; the batches of the last `2 * C + gradient_accumulation_steps`
-    steps are kept by reference for it (that many batches of device memory,
-    until the `fit()` ends).
+    steps are kept for it until the `fit()` ends: in one process, the host
+    arrays the data gave (a reference for arrays and tf.data, a copy of a
+    generator's on a CPU), else the batches Keras placed on the devices.
     A batch is one global array there, so `replica` is None and `replicas`
     empty.
 

@@ -65,6 +65,40 @@ def epoch_iterator_replaced(cls):
         _keras_jax_trainer.JAXEpochIterator = original
 
 
+def host_batches_are_fresh(epoch_iterator):
+    """Whether `epoch_iterator`'s data gives each batch as arrays nothing refills later.
+
+    Keras's array adapter slices the arrays passed to `fit()`, and its
+    tf.data adapter converts each element to new NumPy arrays. A generator
+    or a `keras.utils.PyDataset` may fill one buffer again for each batch,
+    so a reference to one of its batches can change after the step.
+    """
+    from keras.src.trainers.data_adapters import array_data_adapter
+    from keras.src.trainers.data_adapters import tf_dataset_adapter
+
+    fresh = (array_data_adapter.ArrayDataAdapter, tf_dataset_adapter.TFDatasetAdapter)
+    return isinstance(epoch_iterator.data_adapter, fresh)
+
+
+def record_host_batches(epoch_iterator, record):
+    """Calls `record(batch)` with each batch the data gives `epoch_iterator`,
+    before Keras's JAX epoch iterator places it on the devices.
+
+    That iterator reads its batches from its data adapter's
+    `get_jax_iterator()`, at each `_get_iterator()` call; this wraps the
+    method on that one adapter.
+    """
+    adapter = epoch_iterator.data_adapter
+    batches = adapter.get_jax_iterator
+
+    def get_jax_iterator():
+        for batch in batches():
+            record(batch)
+            yield batch
+
+    adapter.get_jax_iterator = get_jax_iterator
+
+
 def coordination_client():
     """jax's client of the coordination service's key-value store; None in one process.
 

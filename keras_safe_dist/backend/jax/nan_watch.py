@@ -36,9 +36,10 @@ started at the check before cost more host time: a check took 59
 microseconds with it on a CPU, 32 without.) An onset is read at most
 `steps_to_stop` steps after it. At an epoch's end the record and every
 weight are read in one computation (`read_with_weights`). The batches of the
-steps that can run between an onset and its read are kept by reference
-(`record_batch`, `kept_batches`), so that the onset's micro-batches can be
-replayed, until the `fit()` ends (`release`).
+steps that can run between an onset and its read are kept (`record_batch`,
+`kept_batches`), so that the onset's micro-batches can be replayed, until the
+`fit()` ends (`release`): in one process, the host arrays the data gave
+(`_host_batches`), else the batches Keras placed on the devices.
 """
 
 import collections
@@ -164,7 +165,7 @@ class OnsetWatch:
         self.latest = None
 
     def record_batch(self, batch):
-        """Keeps a reference to the batch the next step trains on (no copy)."""
+        """Keeps a reference to the batch the next step trains on (the trainer's `_Recorded`)."""
         self.batches.append((self.pulled, batch))
         self.pulled += 1
 

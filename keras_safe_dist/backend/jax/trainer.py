@@ -24,6 +24,7 @@ import keras
 
 from keras_safe_dist import _compat
 from keras_safe_dist.backend.jax import _compat as _jax_compat
+from keras_safe_dist.backend.jax import _host_batches
 from keras_safe_dist.backend.jax import _process_batch
 from keras_safe_dist.backend.jax import _watchdog
 from keras_safe_dist.backend.jax import processes
@@ -94,7 +95,12 @@ class JAXTrainer(_compat.EpochEndOverride):
     def fit(self, *args, **kwargs):
         processes.check_joined("fit")
         processes.check_same_call("fit", self, _epochs(args, kwargs))
-        with _jax_compat.uneven_batches_replicated(), _process_batch.agreed_iterators(), _failures_reported():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_jax_compat.uneven_batches_replicated())
+            stack.enter_context(_process_batch.agreed_iterators())
+            # A NaNOnsetDetector keeps the host batches for its replay (in one process).
+            stack.enter_context(_host_batches.host_batches_told())
+            stack.enter_context(_failures_reported())
             return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
@@ -356,7 +362,12 @@ def _failures_reported():
 
 
 class _Recorded:
-    """An iterator that gives `watch` a reference to each batch it yields."""
+    """An iterator that gives `watch` each batch it yields, for the replay.
+
+    Where the iterator tells the host arrays the data gave (`_host_batches`),
+    a reference to those (or to their copy); otherwise a reference to the
+    batch Keras placed on the devices.
+    """
 
     def __init__(self, iterator, watch):
         self.iterator = iterator
@@ -367,7 +378,8 @@ class _Recorded:
 
     def __next__(self):
         batch = next(self.iterator)
-        self.watch.record_batch(batch)
+        kept = getattr(self.iterator, "host_batch", None)
+        self.watch.record_batch(batch if kept is None else kept)
         return batch
 
 
