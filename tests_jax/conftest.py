@@ -72,3 +72,14 @@ def regression_data(samples, features=4, outputs=1, seed=0):
     y = (x @ rng.normal(size=(features, outputs)) + 0.1).astype("float32")
     weights = rng.uniform(0.2, 2.0, size=(samples,)).astype("float32")
     return x, y, weights
+
+
+class KeptAtEpochEnd(keras.callbacks.Callback):
+    """Copies the list of batches a NaNOnsetDetector keeps at each epoch's end (after the detector's hook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.kept.append(list(self.model._nan_link.watch.batches))

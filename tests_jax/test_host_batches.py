@@ -18,6 +18,7 @@ from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist.backend.jax import _host_batches
 from keras_safe_dist.callbacks import NaNOnsetDetector
 
+from conftest import KeptAtEpochEnd
 from conftest import regression_data
 
 
@@ -27,15 +28,6 @@ def feeding(request, monkeypatch):
     if request.param == "accelerator":
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     return request.param
-
-
-class _KeptAtEpochEnd(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.kept = []
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.kept.append(list(self.model._nan_link.watch.batches))
 
 
 class Root(keras.layers.Layer):
@@ -59,7 +51,7 @@ def _placed(batch):
 
 def test_the_detector_keeps_the_host_arrays_the_data_gave(devices, feeding):
     x, y, _ = regression_data(40 * 8)
-    seen = _KeptAtEpochEnd()
+    seen = KeptAtEpochEnd()
     _model().fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
                  callbacks=[NaNOnsetDetector(check_every=5), seen])
     (kept,) = seen.kept
@@ -97,7 +89,7 @@ def test_a_generator_that_refills_its_buffers_is_kept_as_each_step_got_it(device
     # A reference to the generator's buffer (or, on a CPU, to a placed batch
     # that shares it or is copied from it later) would hold a later batch.
     x, y, _ = regression_data(40 * 8)
-    seen = _KeptAtEpochEnd()
+    seen = KeptAtEpochEnd()
     _model().fit(_refilled(x, y), steps_per_epoch=40, epochs=1, verbose=0, shuffle=False,
                  callbacks=[NaNOnsetDetector(check_every=5), seen])
     (kept,) = seen.kept

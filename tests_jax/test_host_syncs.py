@@ -36,6 +36,7 @@ from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.callbacks import Dashboard
 from keras_safe_dist.callbacks import NaNOnsetDetector
 
+from conftest import KeptAtEpochEnd
 from conftest import regression_data
 
 BATCH = 128
@@ -159,17 +160,6 @@ def test_with_a_plain_keras_model_the_detector_waits_for_each_step(stock, tmp_pa
     assert drains >= 90
 
 
-class _KeptAtEpochEnd(keras.callbacks.Callback):
-    """Copies the list of batches the detector keeps at each epoch's end (after the detector's hook)."""
-
-    def __init__(self):
-        super().__init__()
-        self.kept = []
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.kept.append(list(self.model._nan_link.watch.batches))
-
-
 def _fit_with_detector(steps, check_every, callbacks=()):
     """`(model, x)`: a Dense(1) SafeDistributedModel after one epoch of
     `steps` batches of 8 with a `NaNOnsetDetector(check_every=check_every)`."""
@@ -183,7 +173,7 @@ def _fit_with_detector(steps, check_every, callbacks=()):
 
 
 def test_batches_kept_for_the_replay_are_bounded_and_released_when_the_fit_ends():
-    seen = _KeptAtEpochEnd()
+    seen = KeptAtEpochEnd()
     model, x = _fit_with_detector(40, check_every=5, callbacks=[seen])
     (kept,) = seen.kept
     assert len(kept) == 2 * 5 + 1
