@@ -159,7 +159,7 @@ def test_keras_s_epoch_iterator_reads_each_batch_from_its_adapter_s_get_jax_iter
     yielded = []
     for _ in range(2):
         with iterator.catch_stop_iteration():
-            for _, _, batches in iterator:
+            for *_, batches in iterator:  # (begin, end, it); Keras 3.10: (step, it)
                 yielded.append(next(batches))
         iterator.reset()
     assert [len(b[0]) for b in pulled] == [4, 4, 2] * 2

@@ -109,7 +109,7 @@ def test_each_placed_batch_is_told_with_the_host_batch_it_came_from(devices, fee
     told = []
     for _ in range(2):
         with iterator.catch_stop_iteration():
-            for _, _, batches in iterator:
+            for *_, batches in iterator:  # (begin, end, it); Keras 3.10: (step, it)
                 for _ in range(2):
                     try:
                         placed = next(batches)
