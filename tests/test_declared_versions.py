@@ -56,3 +56,13 @@ def test_the_jax_extra_asks_for_the_keras_and_jax_the_jax_suite_runs_with():
     assert _release(keras_floor, 2) == min(_release(pins["keras"], 2) for pins in runs)
     assert all(_release(pins["keras"], 2) < _release(keras_below, 2) for pins in runs)
     assert jax_floor == min((pins["jax"] for pins in runs), key=lambda v: _release(v, 3))
+
+
+def test_the_jax_backends_import_check_refuses_below_the_jax_extras_keras_floor():
+    # Read from the source: this process runs TensorFlow's backend, which never
+    # imports the JAX one (tests/test_layout.py).
+    source = (ROOT / "keras_safe_dist" / "backend" / "jax" / "__init__.py").read_text()
+    checked = re.search(r"^KERAS_FLOOR = \((\d+), (\d+)\)$", source, re.MULTILINE)
+    assert checked, "keras_safe_dist/backend/jax/__init__.py has no `KERAS_FLOOR = (major, minor)`"
+    keras_floor, _ = _requirements(_setup()["options.extras_require"]["jax"])["keras"]
+    assert (int(checked[1]), int(checked[2])) == _release(keras_floor, 2)
