@@ -999,12 +999,13 @@ def _fresh_generator_batches(method, args, kwargs, names):
     copying their batches' NumPy arrays (see `core/_generators.py`)."""
     args = list(args)
     positions = list(inspect.signature(method).parameters)[1:]  # without self
+    read_ahead = _compat.generator_read_ahead()
     for name in names:
         position = positions.index(name)
         if name in kwargs:
-            kwargs[name] = _generators.fresh_batches(kwargs[name])
+            kwargs[name] = _generators.fresh_batches(kwargs[name], read_ahead)
         elif len(args) > position:
-            args[position] = _generators.fresh_batches(args[position])
+            args[position] = _generators.fresh_batches(args[position], read_ahead)
     return args, kwargs
 
 

@@ -5,7 +5,7 @@ without allocating. Keras keeps references to a generator's batches while the
 generator runs ahead, so such a generator trains on other data than it gave:
 
 - Keras's generator adapter reads the first batches ahead, to learn their
-  shapes (`_compat.generator_read_ahead()`: 2), and trains on them later; the
+  shapes (2: `_compat.generator_read_ahead()`), and trains on them later; the
   first batch then holds the second's data. Both backends.
 - On TensorFlow, `tf.data.Dataset.from_generator` takes NumPy arrays without a
   copy and prefetches: steps read arrays the generator has filled again since.
@@ -25,15 +25,21 @@ import types
 import keras
 import numpy as np
 
-from keras_safe_dist import _compat
 from keras_safe_dist.core import on_jax
 
 
-def fresh_batches(data):
-    """`data`, or, if it is a generator, a generator of its batches with their NumPy arrays copied."""
+def fresh_batches(data, read_ahead):
+    """`data`, or, if it is a generator, a generator of its batches with their NumPy arrays copied.
+
+    Args:
+        data: what `fit()`, `evaluate()` or `predict()` received as `x` or
+            `validation_data`.
+        read_ahead: how many batches Keras reads ahead of the first step
+            (`_compat.generator_read_ahead()`).
+    """
     if not isinstance(data, types.GeneratorType):
         return data
-    return _copying(data, None if _copies_every_batch() else _compat.generator_read_ahead())
+    return _copying(data, None if _copies_every_batch() else read_ahead)
 
 
 def _copying(generator, count):
