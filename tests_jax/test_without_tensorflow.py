@@ -220,4 +220,6 @@ def test_the_readme_on_jax_code_runs_as_pasted_without_tensorflow_or_keras_backe
     lines = [line.split("\x08")[-1] for line in done.stdout.replace("\r", "\n").splitlines()]
     losses = [float(line.rsplit("loss: ", 1)[1].split()[0]) for line in lines if "loss: " in line]
     assert len(losses) >= 2 and all(np.isfinite(losses))
-    assert losses[-1] < losses[0]  # it trains: 1000 samples, batch 33 on 2 devices
+    # It trains: 1000 samples, batch 33 on 2 devices, seeded (3.49 to 3.24 at jax 0.10.2;
+    # unseeded, 2 runs in 3 ended above their first logged loss).
+    assert losses[-1] < losses[0]

@@ -9,13 +9,14 @@ generator runs ahead, so such a generator trains on other data than it gave:
   first batch then holds the second's data. Both backends.
 - On TensorFlow, `tf.data.Dataset.from_generator` takes NumPy arrays without a
   copy and prefetches: steps read arrays the generator has filled again since.
-- On JAX on a CPU, Keras places a batch without a copy, and its step runs
-  after the generator moved on.
+- On JAX on a CPU, Keras places a batch's shards under `DataParallel`
+  without a copy, and the step runs after the generator moved on.
 
 `fresh_batches` copies each NumPy array of such batches as the generator gives
 it: every batch on TensorFlow (on tf.data's thread, not the one that
-dispatches the steps) and on a JAX CPU; on a JAX accelerator, where placing a
-batch on the device copies it, the batches Keras reads ahead only. Other
+dispatches the steps) and on a JAX CPU; on a JAX accelerator, where Keras
+places each later batch on the device as it reads it, the batches Keras reads
+ahead only (not yet measured on a GPU: docs/model.md). Other
 leaves (JAX and TensorFlow tensors, which cannot change, Python numbers) pass
 as they are.
 """
