@@ -473,8 +473,9 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         k micro-batches (and for a partial group at the end of each epoch).
         The update statistics join the logs when `log_update_stats=True` or a
         callback asks for them (`Dashboard`, `NaNOnsetDetector`). A generator's
-        batches (`x`, `validation_data`) are copied as it gives them, so one
-        that fills the same arrays again trains on what it gave (docs/model.md).
+        or a `PyDataset`'s batches (`x`, `validation_data`) are copied as it
+        gives them, so one that fills the same arrays again trains on what it
+        gave (docs/model.md).
 
         Args:
             *args: the arguments of `keras.Model.fit`.
@@ -516,7 +517,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         if len(args) > _FIT_SHUFFLE_POSITION:
             shuffle = args[_FIT_SHUFFLE_POSITION]
         self.__dict__["_fit_shuffles"] = bool(shuffle) and self._nan_link.fit_arrays is not None
-        args, kwargs = _fresh_generator_batches(keras.Model.fit, args, kwargs, ("x", "validation_data"))
+        args, kwargs = _fresh_batches(keras.Model.fit, args, kwargs, ("x", "validation_data"))
         try:
             return super().fit(*args, **kwargs)
         finally:
@@ -526,7 +527,8 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
     def evaluate(self, *args, **kwargs):
         """Same as `keras.Model.evaluate`, refusing data that holds no samples.
 
-        A generator's batches are copied as it gives them (see `fit`).
+        A generator's or a `PyDataset`'s batches are copied as it gives them
+        (see `fit`).
 
         Args:
             *args: the arguments of `keras.Model.evaluate`.
@@ -541,13 +543,14 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 empty list.
         """
         _check_has_samples("evaluate", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
-        args, kwargs = _fresh_generator_batches(keras.Model.evaluate, args, kwargs, ("x",))
+        args, kwargs = _fresh_batches(keras.Model.evaluate, args, kwargs, ("x",))
         return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
         """Same as `keras.Model.predict`, refusing data that holds no samples.
 
-        A generator's batches are copied as it gives them (see `fit`).
+        A generator's or a `PyDataset`'s batches are copied as it gives them
+        (see `fit`).
 
         Args:
             *args: the arguments of `keras.Model.predict`.
@@ -562,7 +565,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 `UnboundLocalError` ('batch_outputs').
         """
         _check_has_samples("predict", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
-        args, kwargs = _fresh_generator_batches(keras.Model.predict, args, kwargs, ("x",))
+        args, kwargs = _fresh_batches(keras.Model.predict, args, kwargs, ("x",))
         return super().predict(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
@@ -994,9 +997,9 @@ def _fit_data(args, kwargs):
     return kwargs.get("x", given.get("x")), kwargs.get("batch_size", given.get("batch_size"))
 
 
-def _fresh_generator_batches(method, args, kwargs, names):
-    """`args, kwargs` of `method`, its `names` arguments that are generators
-    copying their batches' NumPy arrays (see `core/_generators.py`)."""
+def _fresh_batches(method, args, kwargs, names):
+    """`args, kwargs` of `method`, its `names` arguments that are generators or
+    `PyDataset`s copying their batches' NumPy arrays (see `core/_generators.py`)."""
     args = list(args)
     positions = list(inspect.signature(method).parameters)[1:]  # without self
     read_ahead = _compat.generator_read_ahead()

@@ -25,6 +25,9 @@ class _NoTensorFlow:
 
 
 assert "tensorflow" not in sys.modules, "tests_jax must start in a process without TensorFlow"
+# tests/refilling.py (NumPy and Keras only) serves both suites; after this
+# folder, so `conftest` stays this one.
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 # Whether subprocesses can run TensorFlow's backend (this process cannot).
 TENSORFLOW_INSTALLED = importlib.util.find_spec("tensorflow") is not None
 sys.meta_path.insert(0, _NoTensorFlow())
@@ -64,6 +67,16 @@ def _float32_policy():
     yield
     keras.config.set_dtype_policy("float32")
     keras.distribution.set_distribution(None)
+
+
+def one_device(run):
+    """`run()` with no distribution (one device), whatever distribution the test set."""
+    distribution = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        return run()
+    finally:
+        keras.distribution.set_distribution(distribution)
 
 
 def regression_data(samples, features=4, outputs=1, seed=0):

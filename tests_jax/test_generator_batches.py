@@ -1,54 +1,26 @@
-"""A generator that fills the same arrays again for each batch trains, evaluates and predicts on what it gave (JAX).
+"""A generator or a `PyDataset` that fills the same arrays again for each batch trains, evaluates and predicts on what it gave (JAX).
 
 Stock Keras reads a generator's first two batches ahead and trains on them
-later by reference, and on a CPU places batches without a copy: fed such a
-generator, stock trains on other data than it gave. The reference is stock
-Keras on one device, fed the same data as arrays.
+later by reference, and on a CPU places batches under `DataParallel` without
+a copy: fed such data, stock trains on other batches than it gave. The
+reference is stock Keras on one device, fed the same data as arrays.
 """
 
 import keras
 import numpy as np
 import pytest
+from refilling import RefilledDataset
+from refilling import dense_model
+from refilling import refilled
 
 from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.core import _generators
 
+from conftest import one_device
 from conftest import regression_data
 
 STEPS = 40
 TOLERANCE = 1e-5
-
-
-def _refilled(x, y=None):
-    """Yields each batch of 8 in the same arrays, filled again (`(x,)` when `y` is None)."""
-    x_buffer = np.empty((8, x.shape[1]), x.dtype)
-    y_buffer = None if y is None else np.empty((8, y.shape[1]), y.dtype)
-    for start in range(0, len(x), 8):
-        x_buffer[:] = x[start : start + 8]
-        if y is None:
-            yield (x_buffer,)
-            continue
-        y_buffer[:] = y[start : start + 8]
-        yield x_buffer, y_buffer
-
-
-def _model(model_class, initial=None):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    model = model_class(inputs, keras.layers.Dense(1)(inputs))
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    if initial is not None:
-        model.set_weights(initial)
-    return model
-
-
-def _one_device(run):
-    """`run()` with no distribution, whatever the test set."""
-    distribution = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)
-    try:
-        return run()
-    finally:
-        keras.distribution.set_distribution(distribution)
 
 
 def _relative_error(expected, actual):
@@ -57,23 +29,23 @@ def _relative_error(expected, actual):
     )
 
 
-def test_fit_and_its_validation_train_on_the_batches_the_generator_gave(devices):
+def test_a_generator_s_fit_and_its_validation_train_on_the_batches_it_gave(devices):
     x, y, _ = regression_data(STEPS * 8)
     x_val, y_val, _ = regression_data(10 * 8, seed=1)
 
     def stock_runs():
-        reference = _model(keras.Model)
+        reference = dense_model(keras.Model)
         initial = reference.get_weights()
         reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-        stock = _model(keras.Model, initial)
-        stock.fit(_refilled(x, y), steps_per_epoch=STEPS, epochs=1, shuffle=False, verbose=0)
+        stock = dense_model(keras.Model, initial)
+        stock.fit(refilled(x, y), steps_per_epoch=STEPS, epochs=1, shuffle=False, verbose=0)
         return reference, stock, initial
 
-    reference, stock, initial = _one_device(stock_runs)
-    model = _model(SafeDistributedModel, initial)
+    reference, stock, initial = one_device(stock_runs)
+    model = dense_model(SafeDistributedModel, initial)
     history = model.fit(
-        _refilled(x, y), steps_per_epoch=STEPS, epochs=1, shuffle=False, verbose=0,
-        validation_data=_refilled(x_val, y_val), validation_steps=10,
+        refilled(x, y), steps_per_epoch=STEPS, epochs=1, shuffle=False, verbose=0,
+        validation_data=refilled(x_val, y_val), validation_steps=10,
     )
 
     assert _relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
@@ -84,23 +56,71 @@ def test_fit_and_its_validation_train_on_the_batches_the_generator_gave(devices)
         reference.set_weights(model.get_weights())
         return reference.evaluate(x_val, y_val, batch_size=8, verbose=0)
 
-    np.testing.assert_allclose(history.history["val_loss"][0], _one_device(val_loss), rtol=1e-5)
+    np.testing.assert_allclose(history.history["val_loss"][0], one_device(val_loss), rtol=1e-5)
 
 
-def test_evaluate_and_predict_read_the_batches_the_generator_gave(devices):
+def test_a_py_dataset_s_fit_and_its_validation_train_on_the_batches_it_gave(devices):
     x, y, _ = regression_data(STEPS * 8)
-    reference = _one_device(lambda: _model(keras.Model))
-    model = _model(SafeDistributedModel, reference.get_weights())
+    x_val, y_val, _ = regression_data(10 * 8, seed=1)
 
-    loss = model.evaluate(_refilled(x, y), steps=STEPS, verbose=0)
-    predictions = model.predict(_refilled(x), steps=STEPS, verbose=0)
+    def reference_run():
+        reference = dense_model(keras.Model)
+        initial = reference.get_weights()
+        reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return reference, initial
 
-    expected_loss, expected_predictions = _one_device(lambda: (
+    reference, initial = one_device(reference_run)
+    model = dense_model(SafeDistributedModel, initial)
+    history = model.fit(
+        RefilledDataset(x, y), epochs=1, shuffle=False, verbose=0,
+        validation_data=RefilledDataset(x_val, y_val),
+    )
+
+    # Stock under DataParallel places the aligned shards without a copy, and
+    # a step that runs after the next `__getitem__` reads them filled again:
+    # 0.1 to 5 (relative) in 3 runs of 3 in a script, exact in some runs of
+    # this test (a race; one device: exact). The copy itself is checked below.
+    assert _relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+
+    def val_loss():
+        reference.set_weights(model.get_weights())
+        return reference.evaluate(x_val, y_val, batch_size=8, verbose=0)
+
+    np.testing.assert_allclose(history.history["val_loss"][0], one_device(val_loss), rtol=1e-5)
+
+
+@pytest.mark.parametrize("data", [refilled, RefilledDataset], ids=["generator", "PyDataset"])
+def test_evaluate_and_predict_read_the_batches_the_data_gave(devices, data):
+    x, y, _ = regression_data(STEPS * 8)
+    reference = one_device(lambda: dense_model(keras.Model))
+    model = dense_model(SafeDistributedModel, reference.get_weights())
+
+    loss = model.evaluate(data(x, y), steps=STEPS, verbose=0)
+    predictions = model.predict(data(x), steps=STEPS, verbose=0)
+
+    expected_loss, expected_predictions = one_device(lambda: (
         reference.evaluate(x, y, batch_size=8, verbose=0),
         reference.predict(x, batch_size=8, verbose=0),
     ))
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     np.testing.assert_allclose(predictions, expected_predictions, rtol=1e-5, atol=1e-6)
+
+
+def test_on_a_cpu_each_batch_is_a_copy_and_a_py_dataset_keeps_its_settings():
+    x, y, _ = regression_data(32)
+    dataset = RefilledDataset(x, y, workers=2)
+    generator = refilled(x, y)
+
+    copied = _generators.fresh_batches(dataset, 2)
+    batches = list(_generators.fresh_batches(generator, 2))
+
+    assert (copied.workers, copied.use_multiprocessing, copied.num_batches) == (2, False, 4)
+    first = copied[0][0]
+    dataset[1]  # fills the same arrays again
+    np.testing.assert_array_equal(first, x[:8])
+    # Every batch of a generator, not only the 2 Keras reads ahead.
+    for index, batch in enumerate(batches):
+        np.testing.assert_array_equal(batch[0], x[index * 8 : (index + 1) * 8])
 
 
 def test_a_generator_of_arrays_instead_of_tuples_still_gets_keras_s_message():
@@ -109,4 +129,4 @@ def test_a_generator_of_arrays_instead_of_tuples_still_gets_keras_s_message():
             yield np.zeros((8, 4), "float32")
 
     with pytest.raises(ValueError, match="the generator must return a tuple"):
-        _model(SafeDistributedModel).fit(arrays(), steps_per_epoch=2, shuffle=False, verbose=0)
+        dense_model(SafeDistributedModel).fit(arrays(), steps_per_epoch=2, shuffle=False, verbose=0)

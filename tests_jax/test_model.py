@@ -15,6 +15,7 @@ from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist.backend.jax import _update as _jax_update
 
 from conftest import needs_tensorflow
+from conftest import one_device
 from conftest import regression_data
 
 
@@ -28,16 +29,6 @@ def _mlp(model_class, batch_norm=False, seed=1, **options):
     if model_class is keras.Model:
         return keras.Model(inputs, outputs)
     return SafeDistributedModel(inputs, outputs, **options)
-
-
-def _one_device(build):
-    """Builds and returns a model on one device, whatever distribution the test set."""
-    distribution = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)
-    try:
-        return build()
-    finally:
-        keras.distribution.set_distribution(distribution)
 
 
 def _relative_error(model, reference):
@@ -56,12 +47,12 @@ def _stock_fit(x, y, batch_size, epochs=1, optimizer=None, loss="mse", **fit_kwa
         )
         return reference
 
-    return _one_device(build)
+    return one_device(build)
 
 
 @pytest.mark.parametrize("batch_size", [33, 11, 16], ids=["batch33", "batch11", "last1"])
 @pytest.mark.parametrize("batch_norm", [False, True], ids=["dense", "batchnorm"])
-def test_any_batch_size_matches_one_device(devices, batch_size, batch_norm):
+def test_any_batch_size_matchesone_device(devices, batch_size, batch_norm):
     x, y, _ = regression_data(33)
     reference = _stock_fit(x, y, batch_size, epochs=2, batch_norm=batch_norm)
     model = _mlp(SafeDistributedModel, batch_norm=batch_norm)
@@ -69,11 +60,11 @@ def test_any_batch_size_matches_one_device(devices, batch_size, batch_norm):
     history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
 
     assert _relative_error(model, reference) < 1e-5
-    stock_loss = _one_device(lambda: reference.evaluate(x, y, batch_size=batch_size, verbose=0))
+    stock_loss = one_device(lambda: reference.evaluate(x, y, batch_size=batch_size, verbose=0))
     assert model.evaluate(x, y, batch_size=batch_size, verbose=0) == pytest.approx(
         stock_loss, rel=1e-5
     )
-    stock_predictions = _one_device(lambda: reference.predict(x, batch_size=batch_size, verbose=0))
+    stock_predictions = one_device(lambda: reference.predict(x, batch_size=batch_size, verbose=0))
     np.testing.assert_allclose(
         model.predict(x, batch_size=batch_size, verbose=0), stock_predictions, rtol=1e-5, atol=1e-6
     )
@@ -95,9 +86,9 @@ def test_stock_keras_still_fails_on_an_indivisible_batch(devices):
 
 def test_on_batch_methods_take_an_indivisible_batch(devices):
     x, y, w = regression_data(7)
-    reference = _one_device(lambda: _mlp(keras.Model))
-    _one_device(lambda: reference.compile(keras.optimizers.SGD(0.1), "mse"))
-    stock_logs = _one_device(lambda: reference.train_on_batch(x, y, sample_weight=w))
+    reference = one_device(lambda: _mlp(keras.Model))
+    one_device(lambda: reference.compile(keras.optimizers.SGD(0.1), "mse"))
+    stock_logs = one_device(lambda: reference.train_on_batch(x, y, sample_weight=w))
     model = _mlp(SafeDistributedModel)
     model.compile(keras.optimizers.SGD(0.1), "mse")
 
@@ -106,10 +97,10 @@ def test_on_batch_methods_take_an_indivisible_batch(devices):
     assert logs == pytest.approx(stock_logs, rel=1e-5)
     assert _relative_error(model, reference) < 1e-5
     assert model.test_on_batch(x, y) == pytest.approx(
-        _one_device(lambda: reference.test_on_batch(x, y)), rel=1e-5
+        one_device(lambda: reference.test_on_batch(x, y)), rel=1e-5
     )
     np.testing.assert_allclose(
-        model.predict_on_batch(x), _one_device(lambda: reference.predict_on_batch(x)), rtol=1e-5
+        model.predict_on_batch(x), one_device(lambda: reference.predict_on_batch(x)), rtol=1e-5
     )
 
 
@@ -166,7 +157,7 @@ def test_class_weights_and_a_partial_group_at_epoch_end(devices):
                       shuffle=False, verbose=0)
         return reference
 
-    reference = _one_device(stock)
+    reference = one_device(stock)
     model = build(SafeDistributedModel, gradient_accumulation_steps=2, log_update_stats=True)
     model.compile(keras.optimizers.Adam(0.05), "sparse_categorical_crossentropy")
 
@@ -245,7 +236,7 @@ def _stock_gradient(x, y):
         reference.train_on_batch(x, y)
         return [b - a for b, a in zip(before, reference.get_weights())]
 
-    return _one_device(build)
+    return one_device(build)
 
 
 def _norm(arrays):
@@ -309,7 +300,7 @@ def test_the_global_norm_joins_the_gradients_on_a_gpu_only_and_never_sharded_one
 
 
 @pytest.mark.parametrize("accumulation", [1, 2], ids=["k1", "k2"])
-def test_without_skip_or_statistics_the_step_matches_one_device(devices, accumulation):
+def test_without_skip_or_statistics_the_step_matchesone_device(devices, accumulation):
     # Nothing reads the gradient norm here, so the step computes none.
     x, y, _ = regression_data(24, features=64)
 
@@ -319,7 +310,7 @@ def test_without_skip_or_statistics_the_step_matches_one_device(devices, accumul
         reference.fit(x, y, batch_size=24, verbose=0)
         return reference
 
-    reference = _one_device(stock)
+    reference = one_device(stock)
     model = _wide_mlp(
         SafeDistributedModel, skip_nonfinite=False, gradient_accumulation_steps=accumulation
     )
@@ -393,7 +384,7 @@ def test_embedding_with_adam_and_accumulation(devices):
         reference.fit(tokens, targets, batch_size=30, epochs=3, shuffle=False, verbose=0)
         return reference
 
-    reference = _one_device(stock)
+    reference = one_device(stock)
     model = build(SafeDistributedModel, gradient_accumulation_steps=3)
     model.compile(keras.optimizers.Adam(0.01), "mse")
     model.fit(tokens, targets, batch_size=11, epochs=3, shuffle=False, verbose=0)
@@ -461,7 +452,7 @@ def test_weight_and_activity_regularization(devices):
         history = reference.fit(x, y, batch_size=34, epochs=2, shuffle=False, verbose=0)
         return reference, history.history["loss"]
 
-    reference, expected = _one_device(stock)
+    reference, expected = one_device(stock)
     model = build(SafeDistributedModel, gradient_accumulation_steps=3)
     model.compile(keras.optimizers.SGD(0.1), "mse")
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
@@ -488,7 +479,7 @@ def test_logged_loss_has_the_penalty_of_the_weights_the_batch_ran_with(devices):
         history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         return reference, history.history["loss"], reference.train_on_batch(x[:8], y[:8])
 
-    reference, expected, expected_batch = _one_device(stock)
+    reference, expected, expected_batch = one_device(stock)
     model = build(SafeDistributedModel)
     model.compile(keras.optimizers.SGD(0.1), "mse")
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -529,7 +520,7 @@ def test_a_pending_group_is_applied_when_fit_begins(devices, how):
         reference.fit(x[8:], y[8:], batch_size=16, epochs=1, shuffle=False, verbose=0)
         return reference
 
-    reference = _one_device(stock)
+    reference = one_device(stock)
     model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2)
     model.compile(keras.optimizers.SGD(0.1), "mse")
     # The first micro-batch of 8 samples left pending: half a group.
@@ -602,7 +593,7 @@ def test_stock_keras_fails_inside_the_step_when_trainable_changes_without_compil
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_after_compile_again_a_changed_trainable_set_matches_one_device(devices, accumulation):
+def test_after_compile_again_a_changed_trainable_set_matchesone_device(devices, accumulation):
     x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
     y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32")
 
@@ -617,7 +608,7 @@ def test_after_compile_again_a_changed_trainable_set_matches_one_device(devices,
         model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
         return model
 
-    reference = _one_device(lambda: train(*_two_dense(keras.Model), 8))
+    reference = one_device(lambda: train(*_two_dense(keras.Model), 8))
     model = train(
         *_two_dense(SafeDistributedModel, gradient_accumulation_steps=accumulation),
         8 // accumulation,
@@ -711,7 +702,7 @@ def test_the_jax_trainer_is_the_backend_in_use():
     assert len(jax.devices()) == 2
 
 
-def test_convnet_with_batchnorm_and_dropout_matches_one_device(devices):
+def test_convnet_with_batchnorm_and_dropout_matchesone_device(devices):
     # On JAX the Dropout mask of a global batch does not depend on how the batch
     # is sharded, so, without accumulation, the convnet matches one device too.
     rng = np.random.default_rng(7)
@@ -738,7 +729,7 @@ def test_convnet_with_batchnorm_and_dropout_matches_one_device(devices):
         reference.fit(images, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
         return reference
 
-    reference = _one_device(stock)
+    reference = one_device(stock)
     model = build(SafeDistributedModel)
     model.fit(images, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
 
