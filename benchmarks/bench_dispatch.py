@@ -8,7 +8,11 @@ benchmark times, on one JAX CPU device (as on one GPU), epochs of
 
 - `Dense(1)` at batch 8: stock `keras.Model`, `SafeDistributedModel`, and
   `SafeDistributedModel` with a `NaNOnsetDetector`;
-- the MLP 64-256-256-10 at batch 64 (bench_model.py's): the same three.
+- the MLP 64-256-256-10 at batch 64 (bench_model.py's): the same three;
+- the same MLP fitted on one batch: each epoch is a `fit()` of one step, so
+  its "per step" is the host's work per `fit()` (checks, callbacks, the
+  update engine's calls at a fit's and an epoch's start and end), which a
+  short epoch on a GPU (gpu_check.py's 40 to 100 steps) pays in full.
 
 Rounds of one epoch per configuration in rotating order (interleaved), after
 a warm-up epoch; per model, the median of each round's ratio to stock (and
@@ -55,6 +59,7 @@ from _timing import median_interval  # noqa: E402
 MODELS = {
     "Dense(1)": (4, (), 1, 3200, 8),
     "MLP 64-256-256-10": (64, (256, 256), 10, 6400, 64),
+    "MLP 64-256-256-10, one-step fits": (64, (256, 256), 10, 64, 64),
 }
 CONFIGS = ("stock", "safe", "safe + NaNOnsetDetector")
 

@@ -503,7 +503,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         self._check_has_optimizer("fit")
         _check_has_samples("fit", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
         self._check_fit_data(*_fit_data(args, kwargs))
-        position = _FIT_CALLBACKS_POSITION
+        position = _POSITIONS["fit"]["callbacks"]
         args = list(args)
         if len(args) > position:
             args[position] = self._with_epoch_callback(args[position])
@@ -514,8 +514,8 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         # For MultiWorkerBackupAndRestore: a resumed run that shuffles arrays
         # draws a new order for the remaining epochs.
         shuffle = kwargs.get("shuffle", True)
-        if len(args) > _FIT_SHUFFLE_POSITION:
-            shuffle = args[_FIT_SHUFFLE_POSITION]
+        if len(args) > _POSITIONS["fit"]["shuffle"]:
+            shuffle = args[_POSITIONS["fit"]["shuffle"]]
         self.__dict__["_fit_shuffles"] = bool(shuffle) and self._nan_link.fit_arrays is not None
         args, kwargs = _fresh_batches(keras.Model.fit, args, kwargs, ("x", "validation_data"))
         try:
@@ -715,10 +715,14 @@ _OPTION_DEFAULTS = {
     "accumulation_dtype": None,
 }
 
-_FIT_CALLBACKS_POSITION = (
-    list(inspect.signature(keras.Model.fit).parameters).index("callbacks") - 1
-)
-_FIT_SHUFFLE_POSITION = list(inspect.signature(keras.Model.fit).parameters).index("shuffle") - 1
+# Where each argument of keras.Model's fit, evaluate and predict is, without
+# `self`: read once, not at each call (inspect.signature takes ~100 µs).
+_POSITIONS = {
+    method.__name__: {
+        name: index for index, name in enumerate(list(inspect.signature(method).parameters)[1:])
+    }
+    for method in (keras.Model.fit, keras.Model.evaluate, keras.Model.predict)
+}
 
 
 _CLIPPING_OPTIONS = ("global_clipnorm", "clipnorm", "clipvalue")
@@ -1001,13 +1005,13 @@ def _fresh_batches(method, args, kwargs, names):
     """`args, kwargs` of `method`, its `names` arguments that are generators or
     `PyDataset`s copying their batches' NumPy arrays (see `core/_generators.py`)."""
     args = list(args)
-    positions = list(inspect.signature(method).parameters)[1:]  # without self
     read_ahead = _compat.generator_read_ahead()
     for name in names:
-        position = positions.index(name)
         if name in kwargs:
             kwargs[name] = _generators.fresh_batches(kwargs[name], read_ahead)
-        elif len(args) > position:
+            continue
+        position = _POSITIONS[method.__name__][name]
+        if len(args) > position:
             args[position] = _generators.fresh_batches(args[position], read_ahead)
     return args, kwargs
 

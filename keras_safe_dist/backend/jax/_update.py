@@ -53,6 +53,8 @@ class JAXUpdateEngine:
         # regularization included when it calls Keras's.
         self.custom_loss = _compat.compute_loss_is_overridden(model)
         self.epoch_open = False
+        # Set by `begin_fit`, whose zeroed statistics need no epoch reset.
+        self.statistics_zeroed = False
         trainable = model.trainable_variables
         # What the step is built for (`check_trainable`).
         self.trainable = list(trainable)
@@ -159,9 +161,14 @@ class JAXUpdateEngine:
         variables = [self.stats] + ([self.watch.counts] if self.watch else [])
         for variable, value in zip(variables, _RESET_FIT([v.value for v in variables])):
             variable.assign(value)
+        # The first epoch's reset would keep them zero: one compiled call less a fit.
+        self.statistics_zeroed = True
 
     def begin_epoch(self, steps):
         self.epoch_open = True
+        if self.statistics_zeroed:
+            self.statistics_zeroed = False
+            return
         # One compiled call: Keras's eager ops cost tens of microseconds each.
         self.stats.assign(_RESET_EPOCH(self.stats.value))
 
