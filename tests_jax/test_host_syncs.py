@@ -215,3 +215,11 @@ def test_the_nan_detector_adds_at_most_one_execution_to_a_fit(tmp_path):
     callbacks = lambda: [NaNOnsetDetector(check_every=25)]  # noqa: E731
     detector = _count(build(), 50, callbacks, tmp_path)[0]
     assert detector - safe <= 1, (detector, safe)
+
+
+def test_the_safe_model_adds_at_most_one_execution_to_a_fit(tmp_path):
+    # Per fit(): the update statistics zeroed when it begins, one computation;
+    # its first epoch resets nothing more (a second computation before).
+    stock = _count(_mlp(keras.Model)(), 50, lambda: [], tmp_path)[0]
+    safe = _count(_mlp(SafeDistributedModel)(), 50, lambda: [], tmp_path)[0]
+    assert safe - stock <= 1, (safe, stock)
