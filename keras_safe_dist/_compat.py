@@ -193,17 +193,6 @@ def set_keras_mask(tensor, mask):
     _keras_backend.set_keras_mask(tensor, mask)
 
 
-def generator_read_ahead():
-    """How many batches Keras's generator adapter reads ahead of the first step.
-
-    It reads them as the generator is passed (to learn their shapes) and
-    trains on them later, by reference.
-    """
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    return data_adapter_utils.NUM_BATCHES_FOR_TENSOR_SPEC
-
-
 def set_initial_epoch(model, epoch):
     """Makes the next `fit()` of `model` start at `epoch` (None: at its `initial_epoch`).
 

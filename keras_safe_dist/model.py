@@ -1005,14 +1005,13 @@ def _fresh_batches(method, args, kwargs, names):
     """`args, kwargs` of `method`, its `names` arguments that are generators or
     `PyDataset`s copying their batches' NumPy arrays (see `core/_generators.py`)."""
     args = list(args)
-    read_ahead = _compat.generator_read_ahead()
     for name in names:
         if name in kwargs:
-            kwargs[name] = _generators.fresh_batches(kwargs[name], read_ahead)
+            kwargs[name] = _generators.fresh_batches(kwargs[name])
             continue
         position = _POSITIONS[method.__name__][name]
         if len(args) > position:
-            args[position] = _generators.fresh_batches(args[position], read_ahead)
+            args[position] = _generators.fresh_batches(args[position])
     return args, kwargs
 
 

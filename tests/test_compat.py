@@ -491,20 +491,3 @@ def test_instance_functions_are_counted_apart_by_tensorflows_retracing_warning()
     ]
     assert apart[0] is not apart[1]
     assert float(_tf_compat.instance_function(first.step, jit_compile=False)()) == 1.0
-
-
-def test_keras_s_generator_adapter_reads_ahead_the_batches_compat_names():
-    from keras.src.trainers.data_adapters import get_data_adapter
-
-    given = []
-
-    def batches():
-        for index in range(5):
-            given.append(index)
-            yield (np.full((2, 1), index, "float32"),)
-
-    adapter = get_data_adapter(batches())
-    assert len(given) == _compat.generator_read_ahead() == 2
-    # ...and trains on them later, by reference: the first batch is the object given.
-    first = next(iter(adapter.get_numpy_iterator()))
-    assert float(np.asarray(first[0])[0, 0]) == 0.0 and len(given) == 2

@@ -116,8 +116,8 @@ def test_a_py_dataset_in_worker_processes_is_left_as_it_is():
     in_processes = RefilledDataset(x, y, workers=2, use_multiprocessing=True)
     in_threads = RefilledDataset(x, y, workers=2)
 
-    assert _generators.fresh_batches(in_processes, 2) is in_processes
-    copied = _generators.fresh_batches(in_threads, 2)
+    assert _generators.fresh_batches(in_processes) is in_processes
+    copied = _generators.fresh_batches(in_threads)
     assert (copied.workers, copied.use_multiprocessing, copied.max_queue_size) == (2, False, 10)
     first = copied[0]
     assert first[0] is not in_threads.x_buffer

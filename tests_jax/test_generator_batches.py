@@ -6,6 +6,7 @@ a copy: fed such data, stock trains on other batches than it gave. The
 reference is stock Keras on one device, fed the same data as arrays.
 """
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -106,13 +107,13 @@ def test_evaluate_and_predict_read_the_batches_the_data_gave(devices, data):
     np.testing.assert_allclose(predictions, expected_predictions, rtol=1e-5, atol=1e-6)
 
 
-def test_on_a_cpu_each_batch_is_a_copy_and_a_py_dataset_keeps_its_settings():
+def test_each_batch_is_a_copy_and_a_py_dataset_keeps_its_settings():
     x, y, _ = regression_data(32)
     dataset = RefilledDataset(x, y, workers=2)
     generator = refilled(x, y)
 
-    copied = _generators.fresh_batches(dataset, 2)
-    batches = list(_generators.fresh_batches(generator, 2))
+    copied = _generators.fresh_batches(dataset)
+    batches = list(_generators.fresh_batches(generator))
 
     assert (copied.workers, copied.use_multiprocessing, copied.num_batches) == (2, False, 4)
     first = copied[0][0]
@@ -121,6 +122,26 @@ def test_on_a_cpu_each_batch_is_a_copy_and_a_py_dataset_keeps_its_settings():
     # Every batch of a generator, not only the 2 Keras reads ahead.
     for index, batch in enumerate(batches):
         np.testing.assert_array_equal(batch[0], x[index * 8 : (index + 1) * 8])
+
+
+@pytest.mark.parametrize("data", [refilled, RefilledDataset], ids=["generator", "PyDataset"])
+def test_fed_as_on_an_accelerator_the_data_trains_on_what_it_gave(monkeypatch, data):
+    # On an accelerator Keras places each batch one step ahead, and the data
+    # fills its arrays again for the next one while the transfer may still
+    # read them. On a CPU device_put aliases an aligned array, so here the
+    # placed batch holds the next one's data every time.
+    x, y, _ = regression_data(STEPS * 8)
+    reference = dense_model(keras.Model)
+    initial = reference.get_weights()
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # Keras's test for one batch ahead
+    stock = dense_model(keras.Model, initial)
+    stock.fit(data(x, y), steps_per_epoch=STEPS, epochs=1, shuffle=False, verbose=0)
+    model = dense_model(SafeDistributedModel, initial)
+    model.fit(data(x, y), steps_per_epoch=STEPS, epochs=1, shuffle=False, verbose=0)
+
+    assert _relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
+    assert _relative_error(reference.get_weights(), stock.get_weights()) > TOLERANCE
 
 
 def test_a_generator_of_arrays_instead_of_tuples_still_gets_keras_s_message():

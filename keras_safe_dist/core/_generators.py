@@ -1,28 +1,27 @@
-"""A Python generator's or a `PyDataset`'s batches, copied where Keras keeps them while it runs on.
+"""A Python generator's or a `PyDataset`'s batches, copied as it gives them.
 
 A generator, or a `keras.utils.PyDataset`'s `__getitem__`, may fill the same
 arrays again for each batch, to stream data without allocating. Keras keeps
-references to such batches while the data runs ahead, so it trains on other
-data than it gave:
+references to such batches while the data runs on, so it trains on other
+data than it was given:
 
-- Keras's generator adapter reads the first batches ahead, to learn their
-  shapes (2: `_compat.generator_read_ahead()`), and trains on them later; the
-  first batch then holds the second's data. Both backends.
+- Keras's generator adapter reads the first 2 batches ahead, to learn their
+  shapes, and trains on them later; the first batch then holds the second's
+  data. Both backends.
 - On TensorFlow, `tf.data.Dataset.from_generator` takes NumPy arrays without a
-  copy and prefetches: steps read arrays the generator has filled again since.
-  Keras feeds a `PyDataset` through it too.
-- On JAX on a CPU, Keras places a batch's shards under `DataParallel`
-  without a copy, and the step runs after the generator moved on.
+  copy and prefetches: steps read arrays filled again since. Keras feeds a
+  `PyDataset` through it too.
+- On JAX, `jax.device_put` may alias a NumPy array (on a CPU it does: under
+  `DataParallel` the step then runs after the data moved on), and on an
+  accelerator Keras places each batch one step ahead, its transfer allowed to
+  read the array after `device_put` returns while the data fills it again.
 
-`fresh_batches` copies each NumPy array of such batches as the generator gives
-it: every batch on TensorFlow (on tf.data's thread, not the one that
-dispatches the steps) and on a JAX CPU; on a JAX accelerator, where Keras
-places each later batch on the device as it reads it, the batches Keras reads
-ahead only (not yet measured on a GPU: docs/model.md). A `PyDataset`'s
-batches are copied on TensorFlow and on a JAX CPU (Keras reads none of them
-ahead to train on), unless it runs in worker processes, whose batches reach
-the step already copied. Other leaves (JAX and TensorFlow tensors, which
-cannot change, Python numbers) pass as they are.
+`fresh_batches` copies each NumPy array of every batch as the data gives it,
+on every backend and platform: one pass over the batch's memory, on tf.data's
+thread on TensorFlow, on the thread that runs the steps on JAX. A `PyDataset`
+that runs in worker processes is passed as given: its batches reach the step
+already copied. Other leaves (JAX and TensorFlow tensors, which cannot change,
+Python numbers) pass as they are.
 """
 
 import types
@@ -30,42 +29,28 @@ import types
 import keras
 import numpy as np
 
-from keras_safe_dist.core import on_jax
 
-
-def fresh_batches(data, read_ahead):
+def fresh_batches(data):
     """`data`, or, if it is a generator or a `PyDataset`, the same batches with their NumPy arrays copied.
 
     Args:
         data: what `fit()`, `evaluate()` or `predict()` received as `x` or
             `validation_data`.
-        read_ahead: how many batches Keras reads ahead of the first step
-            (`_compat.generator_read_ahead()`).
     """
     if isinstance(data, types.GeneratorType):
-        return _copying(data, None if _copies_every_batch() else read_ahead)
+        return _copying(data)
     if (
         isinstance(data, keras.utils.PyDataset)
         and not isinstance(data, _CopiedPyDataset)
         and not data.use_multiprocessing
-        and _copies_every_batch()
     ):
         return _CopiedPyDataset(data)
     return data
 
 
-def _copying(generator, count):
-    """`generator`'s batches, the first `count` copied (every one if `count` is None)."""
-    for index, batch in enumerate(generator):
-        yield _copied(batch) if count is None or index < count else batch
-
-
-def _copies_every_batch():
-    if not on_jax():
-        return True
-    import jax  # the backend in use: imported by Keras already
-
-    return jax.devices()[0].platform == "cpu"
+def _copying(generator):
+    for batch in generator:
+        yield _copied(batch)
 
 
 def _copied(batch):
