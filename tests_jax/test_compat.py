@@ -176,6 +176,23 @@ def test_a_generator_s_batches_are_not_fresh():
 
     iterator = _jax_compat.epoch_iterator_class()(x=batches(), steps_per_epoch=2)
     assert not _jax_compat.host_batches_are_fresh(iterator)
+    assert _jax_compat.reads_generator_or_py_dataset(iterator)
+
+
+def test_keras_s_adapters_for_a_py_dataset_and_for_arrays_are_told_apart():
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return np.zeros((4, 4), "float32"), np.zeros((4, 1), "float32")
+
+    make = _jax_compat.epoch_iterator_class()
+    dataset = make(x=Batches())
+    arrays = make(x=np.zeros((8, 4), "float32"), y=np.zeros((8, 1), "float32"), batch_size=4)
+    assert _jax_compat.reads_generator_or_py_dataset(dataset)
+    assert not _jax_compat.host_batches_are_fresh(dataset)
+    assert not _jax_compat.reads_generator_or_py_dataset(arrays)
 
 
 def test_the_coordination_client_and_keras_seed_agreement_exist():

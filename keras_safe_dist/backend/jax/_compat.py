@@ -80,6 +80,15 @@ def host_batches_are_fresh(epoch_iterator):
     return isinstance(epoch_iterator.data_adapter, fresh)
 
 
+def reads_generator_or_py_dataset(epoch_iterator):
+    """Whether `epoch_iterator`'s data is a Python generator or a `keras.utils.PyDataset`."""
+    from keras.src.trainers.data_adapters import generator_data_adapter
+    from keras.src.trainers.data_adapters import py_dataset_adapter
+
+    adapters = (generator_data_adapter.GeneratorDataAdapter, py_dataset_adapter.PyDatasetAdapter)
+    return isinstance(epoch_iterator.data_adapter, adapters)
+
+
 def record_host_batches(epoch_iterator, record):
     """Calls `record(batch)` with each batch the data gives `epoch_iterator`,
     before Keras's JAX epoch iterator places it on the devices.

@@ -15,10 +15,13 @@ came from (`host_batch`). In one process only: with several, each step's
 global batch is built on the devices from every process's share
 (`_process_batch`), and the detector keeps that one.
 
-A generator or a `PyDataset` may fill one buffer again for each batch, so a
-reference to its host batch can change after the step; only arrays and
-tf.data give new arrays for each batch (`_jax_compat.host_batches_are_fresh`).
-For other data, on an accelerator, the iterator tells nothing and the
+Arrays and tf.data give new arrays for each batch
+(`_jax_compat.host_batches_are_fresh`). A generator or a `PyDataset` may
+fill one buffer again for each batch, so `SafeDistributedModel.fit()`, the
+only caller of `host_batches_told`, hands Keras a copy of each of their
+batches (`core/_generators.py`); a `PyDataset` in worker processes gives
+copies itself. Those host batches are kept too. For other data (a grain or
+torch loader), on an accelerator, the iterator tells nothing and the
 detector keeps the batch Keras placed: a copy on the device, complete once
 its step ran. On a CPU that is no copy: a batch placed sharded shares the
 host buffer, and an unsharded one is copied later, asynchronously. There the
@@ -49,7 +52,10 @@ class HostBatchesEpochIterator(_jax_compat.epoch_iterator_class()):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pulled = None
-        fresh = _jax_compat.host_batches_are_fresh(self)
+        fresh = _jax_compat.host_batches_are_fresh(self) or (
+            # Copied as given by SafeDistributedModel.fit() (core/_generators.py).
+            _jax_compat.reads_generator_or_py_dataset(self)
+        )
         self._copied = not fresh and jax.devices()[0].platform == "cpu"
         self._tells = fresh or self._copied
         if self._tells:
