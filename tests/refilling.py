@@ -4,11 +4,11 @@ A generator or a `PyDataset` may stream data without allocating: each batch
 is written into the arrays the last one was in. Backend-neutral (NumPy and
 Keras only): `tests_jax/conftest.py` puts this folder on `sys.path` too.
 
-The arrays are 64-byte aligned. TensorFlow's `from_generator` and JAX's
-placement on a CPU take an aligned NumPy array without a copy and an
+The arrays are 64-byte aligned. TensorFlow 2.21's `from_generator` and
+JAX's placement on a CPU take an aligned NumPy array without a copy and an
 unaligned one with a copy (where NumPy's allocator puts a small array
-varies from run to run), so stock Keras reads a refilled aligned array
-every time it keeps one.
+varies from run to run), so there stock Keras reads a refilled aligned
+array whenever it keeps one.
 """
 
 import keras

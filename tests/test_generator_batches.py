@@ -49,10 +49,14 @@ def test_fit_and_its_validation_train_on_the_batches_the_data_gave(replicas, dat
     reference, stock, model, history = _fit_against_arrays(replicas, data, data(x_val, y_val))
 
     assert relative_error(reference.get_weights(), model.get_weights()) < TOLERANCE
-    # Stock trains on batches tf.data prefetched (its aligned arrays taken
-    # without a copy, then filled again), and a generator's first step on the
-    # second batch (read ahead). Measured: 4e-3 to 40 (relative).
-    assert relative_error(reference.get_weights(), stock.get_weights()) > TOLERANCE
+    if data is refilled:
+        # Stock trains a generator's first step on the second batch (read
+        # ahead, then filled again), with every Keras and TensorFlow release.
+        assert relative_error(reference.get_weights(), stock.get_weights()) > TOLERANCE
+    # Stock also trains on batches tf.data prefetched, the aligned arrays taken
+    # without a copy and filled again since: with TensorFlow 2.21, a
+    # PyDataset's weights 4e-3 to 9e-2 away in 6 runs of 6; with 2.18 (the
+    # floor) exact in the one CI run, so not asserted for a PyDataset.
     reference.set_weights(model.get_weights())
     val_loss = reference.evaluate(x_val, y_val, batch_size=8, verbose=0)
     np.testing.assert_allclose(history.history["val_loss"][0], val_loss, rtol=1e-5)
