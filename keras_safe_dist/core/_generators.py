@@ -50,10 +50,11 @@ def fresh_batches(data):
 
 def _copying(generator):
     for batch in generator:
-        yield _copied(batch)
+        yield copied(batch)
 
 
-def _copied(batch):
+def copied(batch):
+    """`batch` with its NumPy arrays copied; other leaves (tensors, which cannot change) as they are."""
     return keras.tree.map_structure(
         lambda leaf: np.array(leaf) if isinstance(leaf, np.ndarray) else leaf, batch
     )
@@ -74,7 +75,7 @@ class _CopiedPyDataset(keras.utils.PyDataset):
         self.dataset = dataset
 
     def __getitem__(self, index):
-        return _copied(self.dataset[index])
+        return copied(self.dataset[index])
 
     @property
     def num_batches(self):

@@ -32,9 +32,9 @@ import collections
 import contextlib
 
 import jax
-import numpy as np
 
 from keras_safe_dist.backend.jax import _compat as _jax_compat
+from keras_safe_dist.core import _generators
 
 __all__ = ["HostBatchesEpochIterator", "host_batches_told"]
 
@@ -63,7 +63,7 @@ class HostBatchesEpochIterator(_jax_compat.epoch_iterator_class()):
 
     def _record(self, batch):
         if self._pulled is not None:
-            self._pulled.append(_host_copy(batch) if self._copied else batch)
+            self._pulled.append(_generators.copied(batch) if self._copied else batch)
 
     def _get_iterator(self):
         if not self._tells:
@@ -90,9 +90,3 @@ class _Told:
         self.host_batch = self.pulled.popleft() if self.pulled else batch
         return batch
 
-
-def _host_copy(batch):
-    """`batch` with its NumPy arrays copied (JAX arrays cannot change, and are kept)."""
-    return jax.tree_util.tree_map(
-        lambda leaf: np.array(leaf) if isinstance(leaf, np.ndarray) else leaf, batch
-    )
