@@ -15,6 +15,7 @@ of each step, then process 1's, ...), one big batch per update, and writes
 import argparse
 import os
 import signal
+import sys
 import time
 
 parser = argparse.ArgumentParser()
@@ -54,6 +55,9 @@ import keras  # noqa: E402
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
 from keras_safe_dist.callbacks import MultiWorkerBackupAndRestore  # noqa: E402
 from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
+
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+from refilling import aligned_empty  # noqa: E402
 
 
 def pool():
@@ -116,17 +120,29 @@ def reference(shards):
 
 
 class Batches(keras.utils.PyDataset):
-    """This process's rows in batches of BATCH; Keras does not know their size in advance."""
+    """This process's rows in batches of BATCH; Keras does not know their size in advance.
+
+    Each batch is written into the arrays the last batch of its size was in
+    (64-byte aligned, which JAX places on a CPU without a copy): the model
+    must train on each batch as it was given.
+    """
 
     def __init__(self, *arrays):
         super().__init__()
         self.arrays = arrays
+        self.buffers = {}
 
     def __len__(self):
         return -(-len(self.arrays[0]) // BATCH)
 
     def __getitem__(self, index):
-        return tuple(a[index * BATCH : (index + 1) * BATCH] for a in self.arrays)
+        rows = [a[index * BATCH : (index + 1) * BATCH] for a in self.arrays]
+        if len(rows[0]) not in self.buffers:
+            self.buffers[len(rows[0])] = [aligned_empty(r.shape, r.dtype) for r in rows]
+        buffers = self.buffers[len(rows[0])]
+        for buffer, r in zip(buffers, rows):
+            buffer[:] = r
+        return tuple(buffers)
 
 
 class FailAt(keras.callbacks.Callback):
