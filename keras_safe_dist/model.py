@@ -114,9 +114,10 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             Under a `LossScaleOptimizer` such updates are always skipped.
         log_update_stats: add `grad_norm`, `clip_rate`, `skipped_updates` and
             `samples_per_update` to the logs of every step and epoch (and so
-            to `History`, the progress bar and `train_on_batch`). Off by
-            default, so the logs hold the same keys as stock Keras; a
-            `Dashboard` or `NaNOnsetDetector` among `fit()`'s callbacks turns
+            to `History`, the callbacks' logs and `train_on_batch`'s result;
+            `fit()`'s progress bar leaves them out). Off by default, so the
+            logs hold the same keys as stock Keras; a `Dashboard` among
+            `fit()`'s callbacks, or on TensorFlow a `NaNOnsetDetector`, turns
             it on for that `fit()`.
         accumulation_dtype: the dtype of the sums that keep a group's
             micro-batch gradients (`gradient_accumulation_steps > 1`), one

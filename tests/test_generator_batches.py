@@ -113,8 +113,11 @@ def test_a_py_dataset_in_worker_processes_is_left_as_it_is():
     x, y, _ = regression_data(16)
     in_processes = RefilledDataset(x, y, workers=2, use_multiprocessing=True)
     in_threads = RefilledDataset(x, y, workers=2)
+    # Keras runs it in this process: no worker, whatever use_multiprocessing says.
+    in_this_process = RefilledDataset(x, y, workers=0, use_multiprocessing=True)
 
     assert _generators.fresh_batches(in_processes) is in_processes
+    assert _generators.fresh_batches(in_this_process) is not in_this_process
     copied = _generators.fresh_batches(in_threads)
     assert (copied.workers, copied.use_multiprocessing, copied.max_queue_size) == (2, False, 10)
     first = copied[0]

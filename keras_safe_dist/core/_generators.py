@@ -19,8 +19,8 @@ data than it was given:
 `fresh_batches` copies each NumPy array of every batch as the data gives it,
 on every backend and platform: one pass over the batch's memory, on tf.data's
 thread on TensorFlow, on the thread that runs the steps on JAX. A `PyDataset`
-that runs in worker processes is passed as given: its batches reach the step
-already copied. Other leaves (JAX and TensorFlow tensors, which cannot change,
+that runs in worker processes (`use_multiprocessing=True`, `workers` above 0)
+is passed as given: its batches reach the step already copied. Other leaves (JAX and TensorFlow tensors, which cannot change,
 Python numbers) pass as they are.
 """
 
@@ -42,7 +42,9 @@ def fresh_batches(data):
     if (
         isinstance(data, keras.utils.PyDataset)
         and not isinstance(data, _CopiedPyDataset)
-        and not data.use_multiprocessing
+        # Keras starts worker processes only with `workers > 0`; their
+        # batches arrive pickled, already copies.
+        and not (data.use_multiprocessing and data.workers > 0)
     ):
         return _CopiedPyDataset(data)
     return data

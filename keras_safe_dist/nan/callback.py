@@ -87,10 +87,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     record the last step returned (in its logs, which Keras does not donate;
     the record is taken out of them before Keras sees them) and acts on the
     one kept at the check before, whose step has finished by then. That one
-    is read in Keras's callback thread, at a batch end after the check that
-    kept it, so the next check does not wait for the transfer (where Keras
-    runs the batch hooks on the thread that dispatches the steps, or its
-    callback thread has not read it yet, the check reads it). At each
+    is read at a batch end after the check that kept it, so the next check
+    does not wait for the transfer: in Keras's callback thread, or where
+    Keras runs the batch hooks on the thread that dispatches the steps (it
+    does when another callback reads each step's logs), on that thread,
+    after Keras has read that step's logs. The check reads it itself only
+    where no batch end has yet. At each
     epoch's end it reads the record and checks the weights in one
     computation. No device operation of its own between steps. Training
     therefore stops at most `2 * check_every` steps after the onset with one
@@ -101,9 +103,11 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     (see `keras_safe_dist.backend.jax.nan_locate`) to name the kind, the
     first layer with a non-finite output from finite inputs and the sample
     `rows`; the batches of the last `2 * C + gradient_accumulation_steps`
-    steps are kept for it until the `fit()` ends: in one process, the host
-    arrays the data gave (a reference for arrays and tf.data, a copy of a
-    generator's on a CPU), else the batches Keras placed on the devices.
+    steps are kept for it until the `fit()` ends: in one process, host
+    arrays (a reference to those of arrays and tf.data, the copy `fit()`
+    makes of a generator's or a `PyDataset`'s batch; for other data, the
+    batch Keras placed on an accelerator, or a host copy on a CPU), else the
+    global batches Keras placed on the devices.
     A batch is one global array there, so `replica` is None and `replicas`
     empty.
 
