@@ -608,8 +608,10 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             callback.set_params(callbacks.params)
             callbacks.callbacks.insert(0, callback)
             return callbacks
-        # Keras then adds no progress bar of its own.
-        return [callback] + list(callbacks or []) + _progbar.for_fit(callbacks, self._stats_requested)
+        # Keras then adds no progress bar of its own. Keras takes one callback
+        # or nested lists of them, as `keras.tree.flatten` reads them.
+        given = keras.tree.flatten(callbacks or [])
+        return [callback] + given + _progbar.for_fit(given, self._stats_requested)
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")

@@ -134,3 +134,23 @@ def test_logged_loss_is_stock_one_device_loss_weighted_by_samples(replicas, loss
     tokens = np.array([np.count_nonzero(b) for b in batches], "float64")
     samples = np.array([len(b) for b in batches], "float64")
     assert not np.allclose(tokens / tokens.sum(), samples / samples.sum(), rtol=0.05)
+
+
+def test_sample_weights_keras_would_spread_across_the_batch_are_refused(replicas):
+    x, y, _ = regression_data(8)
+    weights = np.arange(1, 9, dtype="float32").reshape(8, 1, 1)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    stock = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    stock.compile(optimizer="sgd", loss="mse")
+    # Stock Keras: each sample's loss times every sample's weight, the mean
+    # loss times the mean weight, whatever the weights say.
+    spread = stock.evaluate(x, y, sample_weight=weights, batch_size=8, verbose=0)
+    assert spread == pytest.approx(stock.evaluate(x, y, batch_size=8, verbose=0) * 4.5, rel=1e-5)
+    with strategy_for(replicas).scope():
+        model = SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"sample_weight of shape \(\d+, 1, 1\) for loss values of shape \(\d+,\)"):
+        model.fit(x, y, sample_weight=weights, batch_size=8, verbose=0)
+    # One trailing axis of size 1 is Keras's to drop: trained as stock trains it.
+    model.fit(x, y, sample_weight=weights.reshape(8, 1), batch_size=8, verbose=0)

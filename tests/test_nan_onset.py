@@ -93,6 +93,16 @@ def assert_weights_close(expected, actual):
         np.testing.assert_allclose(a, e, rtol=TOLERANCE, atol=1e-6)
 
 
+def test_two_detectors_in_one_fit_are_refused_and_one_callback_alone_is_taken(replicas):
+    x, y = data(16)
+    model = build(replicas)
+    with pytest.raises(ValueError, match="received 2 NaN onset detectors.*Pass one NaNOnsetDetector per fit"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[NaNOnsetDetector(), NaNOnsetDetector()])
+    # As stock Keras takes it: one callback, not in a list.
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=NaNOnsetDetector())
+    assert len(history.history["loss"]) == 2
+
+
 def test_nan_in_one_input_sample_names_its_batch_replica_and_writes_files(replicas, tmp_path):
     x, y = data()
     x[37, 2] = np.nan  # batch 4, row 5: the second replica's share with 2 replicas

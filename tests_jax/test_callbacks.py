@@ -330,6 +330,34 @@ def test_nan_detector_stops_within_its_stated_steps_and_keeps_the_onset_batch(
 # Audits
 
 
+def test_two_nan_detectors_in_one_fit_are_refused_before_a_step():
+    x, y, _ = regression_data(16)
+    model = mlp()
+    initial = model.get_weights()
+    detectors = [callbacks.NaNOnsetDetector(), [callbacks.NaNOnsetDetector(action="continue")]]
+    with pytest.raises(ValueError, match="received 2 NaN onset detectors.*Pass one NaNOnsetDetector per fit"):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=detectors)
+    for kept, value in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(kept, value)
+
+
+def test_one_callback_not_in_a_list_is_taken_as_stock_takes_it():
+    x, y, _ = regression_data(16)
+    seen = []
+    callback = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(epoch))
+    stock = _stock_model().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callback)
+    history = mlp().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callback)
+    assert seen == [0, 1, 0, 1]
+    assert list(history.history) == list(stock.history) == ["loss"]
+
+
+def _stock_model():
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
 def test_audit_says_once_that_tf_distribute_checks_do_not_apply(devices):
     model = mlp()
     report = keras_safe_dist.audit(model)

@@ -345,3 +345,35 @@ def test_keras_puts_each_step_state_on_the_model_and_the_safe_model_keeps_it_unt
     tracked = {t.__name__ for t, _ in seen.seen}
     assert tracked == ({"dict"} if safe else {"TrackedDict"})
     assert model._jax_state is None  # cleared at the end of fit()
+
+
+def test_a_first_step_that_raises_leaves_keras_s_variables_empty_unless_put_back():
+    class Refused(keras.Model):
+        def train_step(self, state, data):
+            raise ValueError("refused while traced")
+
+    def fit(put_back):
+        inputs = keras.Input((3,))
+        model = Refused(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+        model.make_train_function()
+        function = model.train_function
+
+        def train_function(state, iterator):
+            try:
+                return function(state, iterator)
+            except ValueError:
+                if put_back:
+                    assert _jax_compat.put_back_at_sync(model, state)
+                raise
+
+        model.train_function = train_function
+        model.make_train_function = lambda force=False: model.train_function
+        x = np.ones((4, 3), "float32")
+        with pytest.raises(ValueError, match="refused while traced"):
+            model.fit(x, x[:, :1], batch_size=4, verbose=0)
+        return [v._value is not None for v in model.trainable_variables]
+
+    # Keras took the values off the model for the step, and puts back only a step's result.
+    assert fit(put_back=False) == [False, False]
+    assert fit(put_back=True) == [True, True]

@@ -135,6 +135,25 @@ def test_stock_optimizer_accumulation_weights_micro_batches_equally(devices):
     assert _relative_error(stock, reference) > 1e-2
 
 
+def test_sample_weights_keras_would_spread_across_the_batch_are_refused(devices):
+    x, y, _ = regression_data(8)
+    weights = np.arange(1, 9, dtype="float32").reshape(8, 1, 1)
+    model = _mlp(SafeDistributedModel)
+    model.compile(optimizer="sgd", loss="mse")
+    initial = model.get_weights()
+    with pytest.raises(ValueError, match=r"sample_weight of shape \(8, 1, 1\) for loss values of shape \(8,\)"):
+        model.fit(x, y, sample_weight=weights, batch_size=8, verbose=0)
+    # Refused while the first step was traced: Keras had taken the values off
+    # the model for it; they are back, unchanged.
+    for kept, value in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(kept, value)
+    stock = _mlp(keras.Model)
+    stock.compile(optimizer="sgd", loss="mse")
+    stock.fit(x, y, sample_weight=weights.reshape(8, 1), batch_size=8, epochs=2, verbose=0)
+    model.fit(x, y, sample_weight=weights.reshape(8, 1), batch_size=8, epochs=2, verbose=0)
+    assert _relative_error(model, stock) <= 1e-5
+
+
 def test_class_weights_and_a_partial_group_at_epoch_end(devices):
     rng = np.random.default_rng(3)
     x = rng.normal(size=(40, 4)).astype("float32")

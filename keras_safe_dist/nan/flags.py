@@ -66,8 +66,12 @@ def request_from(callbacks):
             `keras.callbacks.CallbackList`, or None.
 
     Returns:
-        The first callback's `nan_probe_request()`, or None when no callback
-        has one.
+        The callback's `nan_probe_request()`, or None when no callback has
+        one.
+
+    Raises:
+        ValueError: when several callbacks make one: the step keeps one
+            detector's record, so the others would act on another's settings.
 
     Example:
 
@@ -79,11 +83,19 @@ def request_from(callbacks):
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
-    for callback in keras.tree.flatten(callbacks or []):
-        request = getattr(callback, "nan_probe_request", None)
-        if callable(request):
-            return request()
-    return None
+    makers = [
+        callback
+        for callback in keras.tree.flatten(callbacks or [])
+        if callable(getattr(callback, "nan_probe_request", None))
+    ]
+    if len(makers) > 1:
+        raise ValueError(
+            f"fit() received {len(makers)} NaN onset detectors; the step keeps the "
+            "record of one, so the others would report and act on its settings. "
+            f"Received: {', '.join(type(c).__name__ for c in makers)} among the "
+            "callbacks. Pass one NaNOnsetDetector per fit()."
+        )
+    return makers[0].nan_probe_request() if makers else None
 
 
 def record_in_step(callbacks, enabled):

@@ -273,6 +273,7 @@ class _RecordingLoss:
             values = ops.convert_to_tensor(values, dtype=fn.dtype)
             if sample_weight is not None:
                 sample_weight = ops.convert_to_tensor(sample_weight, fn.dtype)
+                _check_weights_rank(fn, values, sample_weight)
             if mask is not None:
                 mask = ops.convert_to_tensor(mask, dtype=fn.dtype)
             stock = _compat.reduce_weighted_values(
@@ -348,6 +349,29 @@ class _RecordingLoss:
             return ops.cast(ops.size(values), dtype)
         _, weights = _compat.squeeze_or_expand_to_same_rank(values, weights)
         return ops.cast(ops.sum(weights), dtype)
+
+
+def _check_weights_rank(fn, values, sample_weight):
+    """Raises where Keras would spread the sample weights across the batch.
+
+    Keras matches the weights to the loss's per-sample values by dropping or
+    adding one trailing axis of size 1. With two or more extra axes it
+    broadcasts them as they are: each sample's loss is multiplied by every
+    sample's weight and the batch's loss no longer depends on how the
+    samples are split (stock Keras returns the mean loss times the mean
+    weight over one batch), so no split of it can match one big batch.
+    """
+    extra = len(sample_weight.shape) - len(values.shape)
+    if extra < 2:
+        return
+    raise ValueError(
+        f"SafeDistributedModel: sample_weight has {extra} more dimensions than the "
+        f"per-sample values of loss {fn.name!r}, which Keras would broadcast across "
+        "the batch: each sample's loss times every sample's weight, not a weighted "
+        f"loss. Received: sample_weight of shape {tuple(sample_weight.shape)} for loss "
+        f"values of shape {tuple(values.shape)}. Pass sample_weight of shape (batch,) "
+        "or of the loss values' shape (one trailing axis of size 1 more is allowed)."
+    )
 
 
 def _merge_masks(first, second):

@@ -218,6 +218,27 @@ def set_untracked(model, name, value):
     object.__setattr__(model, name, value)
 
 
+def put_back_at_sync(model, state):
+    """Makes Keras's `jax_state_sync()` put `state` back on the model, when no step's state is there.
+
+    Keras's JAX `fit()` takes the variables' values off the model for its first
+    step (`_get_jax_state(purge_model_variables=True)`) and puts back only what
+    a step returned (`model._jax_state`, at its `finally`): a first step that
+    raises while it is traced would leave every variable without a value.
+    `state` is the step's input, `(trainable, non_trainable, optimizer,
+    metrics)` values. Returns whether it was put (not when a step's state is
+    there, or an array of `state` was donated already).
+    """
+    if getattr(model, "_jax_state", None) or any(
+        value.is_deleted() for values in state for value in values if isinstance(value, jax.Array)
+    ):
+        return False
+    names = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
+    set_untracked(model, "_jax_state", dict(zip(names, state)))
+    model._jax_state_synced = False
+    return True
+
+
 def latest_metrics_values(model):
     """The metrics' variables' values after the last step of Keras's JAX `fit()`, or None.
 

@@ -216,6 +216,18 @@ class JAXTrainer(_compat.EpochEndOverride):
                 return logs, state
 
             self.train_function = train_function
+        function = self.train_function
+
+        def train_function(state, iterator):
+            try:
+                return function(state, iterator)
+            except BaseException:
+                # A step refused while traced (a loss or sample weights this
+                # step cannot use): the model keeps its variables' values.
+                _jax_compat.put_back_at_sync(self, state)
+                raise
+
+        self.train_function = train_function
         return self.train_function
 
     def train_step(self, state, data):
