@@ -216,11 +216,11 @@ class JAXTrainer(_compat.EpochEndOverride):
                 return logs, state
 
             self.train_function = train_function
-        function = self.train_function
+        step_function = self.train_function
 
         def train_function(state, iterator):
             try:
-                return function(state, iterator)
+                return step_function(state, iterator)
             except BaseException:
                 # A step refused while traced (a loss or sample weights this
                 # step cannot use): the model keeps its variables' values.
