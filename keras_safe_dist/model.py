@@ -492,8 +492,12 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             ValueError: when the model was compiled with `optimizer=None`;
                 when a `tf.SparseTensor` input would leave a replica
                 an empty share of the last batch, which TensorFlow's input
-                pipeline cannot split; or when `x` holds no samples (arrays
-                of 0 rows, a dataset of cardinality 0).
+                pipeline cannot split; when `x` or `validation_data`
+                holds no samples (arrays of 0 rows, a dataset of
+                cardinality 0, a `PyDataset` of 0 batches); when
+                `sample_weight` has two or more axes beyond the loss's
+                per-sample values (Keras would spread it across the batch);
+                or when two `NaNOnsetDetector`s are among the callbacks.
 
         Example:
 
@@ -502,7 +506,13 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         ```
         """
         self._check_has_optimizer("fit")
-        _check_has_samples("fit", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
+        strategy = distributed.strategy_of(self)
+        _check_has_samples("fit", _fit_data(args, kwargs)[0], strategy)
+        validation = _argument("fit", "validation_data", args, kwargs)
+        if isinstance(validation, (tuple, list)) and validation:
+            validation = validation[0]
+        if validation is not None:
+            _check_has_samples("fit", validation, strategy, argument="validation_data")
         self._check_fit_data(*_fit_data(args, kwargs))
         position = _POSITIONS["fit"]["callbacks"]
         args = list(args)
@@ -540,8 +550,9 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
 
         Raises:
             ValueError: when `x` holds no samples (arrays of 0 rows, a
-                dataset of cardinality 0), where stock Keras returns an
-                empty list.
+                dataset of cardinality 0, a `PyDataset` of 0 batches),
+                where stock Keras returns an empty list on TensorFlow and
+                raises a bare `StopIteration` on JAX.
         """
         _check_has_samples("evaluate", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
         args, kwargs = _fresh_batches(keras.Model.evaluate, args, kwargs, ("x",))
@@ -562,8 +573,9 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
 
         Raises:
             ValueError: when `x` holds no samples (arrays of 0 rows, a
-                dataset of cardinality 0), where stock Keras fails with an
-                `UnboundLocalError` ('batch_outputs').
+                dataset of cardinality 0, a `PyDataset` of 0 batches),
+                where stock Keras fails with an `UnboundLocalError`
+                ('batch_outputs').
         """
         _check_has_samples("predict", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
         args, kwargs = _fresh_batches(keras.Model.predict, args, kwargs, ("x",))
@@ -789,32 +801,56 @@ def _warn_if_saved_twice(model, wrapped):
         return
 
 
+# Words of other libraries' names for the options (`accum_steps`, `max_grad_norm`,
+# `skip_nan`), each with the option it means, in the order they are tried.
+_OPTION_WORDS = (
+    ("accum", "gradient_accumulation_steps"),
+    ("norm", "global_clipnorm"),
+    ("clip", "global_clipnorm"),
+    ("skip", "skip_nonfinite"),
+    ("finite", "skip_nonfinite"),
+    ("nan", "skip_nonfinite"),
+    ("stat", "log_update_stats"),
+)
+
+
+def _meant_option(name):
+    """The option `name` looks meant for, or None."""
+    held = [option for option in _OPTION_DEFAULTS if name in option or option in name]
+    close = held or difflib.get_close_matches(name, _OPTION_DEFAULTS, n=1, cutoff=0.7)
+    if close:
+        return close[0]
+    lowered = name.lower()
+    return next((option for word, option in _OPTION_WORDS if word in lowered), None)
+
+
 def _closest(names):
-    """`" (did you mean 'x'?)"` for the first of `names` close to an option, else `""`.
+    """`" (did you mean 'x'?)"` for the first of `names` that looks meant for an option, else `""`.
 
     An option that holds the name, or that the name holds, comes first
     (`accumulation_steps` is `gradient_accumulation_steps` shortened, though
-    its letters are as close to `accumulation_dtype`).
+    its letters are as close to `accumulation_dtype`); then the closest
+    spelling; then a word of another library's name (`accum_steps`,
+    `max_grad_norm`).
     """
     for name in names:
-        held = [option for option in _OPTION_DEFAULTS if name in option or option in name]
-        close = held or difflib.get_close_matches(name, _OPTION_DEFAULTS, n=1, cutoff=0.7)
-        if close:
-            return f" (did you mean {close[0]!r}?)"
+        meant = _meant_option(name)
+        if meant is not None:
+            return f" (did you mean {meant!r}?)"
     return ""
 
 
 def _refuse_misspelled_options(cls_name, kwargs):
-    """Raises a `TypeError` for a keyword close to an option's name.
+    """Raises a `TypeError` for a keyword that looks meant for an option.
 
     Stock `keras.Model` accepts and ignores unknown keywords for a functional
-    model, so `gradient_accumulation=4` would train with no accumulation and
-    no word. Other unknown keywords go to Keras as they would for stock.
+    model, so `gradient_accumulation=4` or `accum_steps=4` would train with no
+    accumulation and no word. Other unknown keywords go to Keras as they would
+    for stock.
     """
     misspelled = [
         name for name in kwargs
-        if name not in _KERAS_ARGUMENTS
-        and difflib.get_close_matches(name, _OPTION_DEFAULTS, n=1, cutoff=0.7)
+        if name not in _KERAS_ARGUMENTS and _meant_option(name) is not None
     ]
     if misspelled:
         raise TypeError(
@@ -954,6 +990,16 @@ def _model_graph(model, input_shape):
             "SafeDistributedModel.from_model() takes a keras.Model (a Sequential "
             f"or functional model). Received: {type(model).__name__} {model!r}"
         )
+    if input_shape is not None and (
+        not isinstance(input_shape, (tuple, list))
+        or not all(d is None or (isinstance(d, int) and d > 0) for d in input_shape)
+    ):
+        raise TypeError(
+            "SafeDistributedModel.from_model()'s `input_shape` is the shape of one "
+            "sample, a tuple of positive integers (None for a dimension of any "
+            f"size). Received: input_shape={input_shape!r}. For samples of 8 "
+            "features pass input_shape=(8,)."
+        )
     if isinstance(model, keras.Sequential) and input_shape is not None:
         shape = (None, *tuple(input_shape))
         if not model.built or not _has_inputs(model):
@@ -1004,6 +1050,14 @@ def _fit_data(args, kwargs):
     return kwargs.get("x", given.get("x")), kwargs.get("batch_size", given.get("batch_size"))
 
 
+def _argument(method, name, args, kwargs):
+    """The `name` argument of `keras.Model.<method>` as received, or None."""
+    if name in kwargs:
+        return kwargs[name]
+    position = _POSITIONS[method][name]
+    return args[position] if len(args) > position else None
+
+
 def _fresh_batches(method, args, kwargs, names):
     """`args, kwargs` of `method`, its `names` arguments that are generators or
     `PyDataset`s copying their batches' NumPy arrays (see `core/_generators.py`)."""
@@ -1018,14 +1072,16 @@ def _fresh_batches(method, args, kwargs, names):
     return args, kwargs
 
 
-def _check_has_samples(method, x, strategy):
-    """Raises when `x` is known, before any step, to hold no samples.
+def _check_has_samples(method, x, strategy, argument="x"):
+    """Raises when `x` (given as `argument`) is known, before any step, to hold no samples.
 
-    Stock Keras runs no step and returns an empty History (or list) then,
-    or fails in `predict()`. Datasets of unknown length and generators are
-    not read ahead. With several JAX processes, one process may hold no
-    samples while others do: the processes check the global batch together
-    (backend/jax/_process_batch.py); so may a MultiWorkerMirroredStrategy worker.
+    Stock Keras 3.15 then returns an empty History (or list) on TensorFlow,
+    raises a bare `StopIteration` on JAX, and fails in `predict()`; for
+    `validation_data` it raises after the epoch's steps. Datasets of unknown
+    length and generators are not read ahead. With several JAX processes, one
+    process may hold no samples while others do: the processes check the
+    global batch together (backend/jax/_process_batch.py); so may a
+    MultiWorkerMirroredStrategy worker.
     """
     if on_jax() and distributed.jax_process()[1] > 1:
         return
@@ -1038,6 +1094,10 @@ def _check_has_samples(method, x, strategy):
         if int(x.cardinality()) != 0:
             return
         received = "a tf.data.Dataset of cardinality 0 (from .take(0), or a dataset built empty)"
+    elif isinstance(x, keras.utils.PyDataset):
+        if x.num_batches != 0:  # None: endless
+            return
+        received = f"a {type(x).__name__} (a keras.utils.PyDataset) of 0 batches"
     else:
         shapes = [
             tuple(t.shape) for t in keras.tree.flatten(x)
@@ -1045,14 +1105,17 @@ def _check_has_samples(method, x, strategy):
         ]
         if not shapes or shapes[0][0] != 0:
             return
-        received = f"x of shape {shapes[0]}"
-    purpose = {"fit": "train on", "evaluate": "evaluate", "predict": "predict"}[method]
-    stock = (
-        "fails with an UnboundLocalError" if method == "predict"
-        else "runs no step and returns an empty result"
-    )
+        received = f"{argument} of shape {shapes[0]}"
+    if argument == "validation_data":
+        purpose, stock = "validate on", "fails after the epoch's steps"
+    else:
+        purpose = {"fit": "train on", "evaluate": "evaluate", "predict": "predict"}[method]
+        stock = (
+            "fails with an UnboundLocalError" if method == "predict"
+            else "returns an empty result on TensorFlow and raises a bare StopIteration on JAX"
+        )
     raise ValueError(
-        f"SafeDistributedModel.{method}() received data that holds no samples, so "
+        f"SafeDistributedModel.{method}() received {argument} that holds no samples, so "
         f"there is nothing to {purpose} (stock Keras {stock}). Received: "
         f"{received}. Pass data with at least one sample."
     )

@@ -277,6 +277,8 @@ def test_only_the_chief_writes(tmp_path, monkeypatch):
         ({"on_finding": "loud"}, ValueError, r"`on_finding` must be one of \('warn', 'raise', 'ignore'\). Received: on_finding='loud'"),
         ({"ignore": "AGG003"}, TypeError, r"`ignore` must be a collection of finding codes, e.g. ignore=\['MODE003'\]. Received: ignore='AGG003'"),
         ({"ignore": 3}, TypeError, r"`ignore` must be a collection of finding codes, e.g. ignore=\['MODE003'\]. Received: ignore=3"),
+        # A dict's keys would be taken, its values dropped: False would still ignore.
+        ({"ignore": {"MODE003": False}}, TypeError, r"`ignore` must be a collection of finding codes, e.g. ignore=\['MODE003'\]. Received: ignore=\{'MODE003': False\}"),
         ({"ignore": ["AGG999"]}, ValueError, r"Unknown finding codes in `ignore`: \['AGG999'\]. Available: AGG001, "),
         ({"log_dir": 3}, TypeError, r"`log_dir` must be a path \(str or os.PathLike\) or None. Received: log_dir=3"),
     ],

@@ -1,6 +1,7 @@
 """SafeDistributedModel's arguments, compile checks, saving, evaluate/predict and logs."""
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -220,6 +221,12 @@ def test_from_model_refuses_an_unbuilt_sequential_without_a_shape():
 def test_from_model_refuses_an_input_shape_that_differs_from_the_model():
     with pytest.raises(ValueError, match=r"`input_shape` must match .* \(4,\) per sample\. Received: input_shape=\(5,\)"):
         SafeDistributedModel.from_model(_sequential_with_input(), input_shape=(5,))
+
+
+@pytest.mark.parametrize("input_shape", [4, (4.0,), (0,), "4"])
+def test_from_model_refuses_an_input_shape_that_is_not_a_shape(input_shape):
+    with pytest.raises(TypeError, match=rf"a tuple of positive integers .* Received: input_shape={re.escape(repr(input_shape))}\. For samples of 8 features pass input_shape=\(8,\)"):
+        SafeDistributedModel.from_model(_sequential_unbuilt(), input_shape=input_shape)
 
 
 @pytest.mark.parametrize(
@@ -474,10 +481,30 @@ def test_fit_evaluate_and_predict_on_data_without_samples_raise(steps, data):
             getattr(model, method)(*args[:1] if method == "predict" else args, verbose=0)
         message = str(error.value)
         assert message.startswith(
-            f"SafeDistributedModel.{method}() received data that holds no samples, "
+            f"SafeDistributedModel.{method}() received x that holds no samples, "
             f"so there is nothing to {purpose}"
         )
         assert f"Received: {received}" in message
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_py_dataset_of_no_batches_and_empty_validation_data_raise_before_a_step():
+    model = functional()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y, _ = regression_data(8)
+
+    class Empty(keras.utils.PyDataset):
+        def __len__(self):
+            return 0
+
+        def __getitem__(self, index):
+            raise IndexError(index)
+
+    with pytest.raises(ValueError, match=r"received x that holds no samples.*Received: a Empty \(a keras.utils.PyDataset\) of 0 batches"):
+        model.fit(Empty(), verbose=0)
+    for validation in ((x[:0], y[:0]), tf.data.Dataset.from_tensor_slices((x, y)).batch(4).take(0)):
+        with pytest.raises(ValueError, match=r"fit\(\) received validation_data that holds no samples, so there is nothing to validate on"):
+            model.fit(x, y, validation_data=validation, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
@@ -490,6 +517,10 @@ def test_fit_evaluate_and_predict_on_data_without_samples_raise(steps, data):
         ("global_clip_norm", "global_clipnorm"),
         ("clip_value", "clipvalue"),
         ("accumulator_dtype", "accumulation_dtype"),
+        # Other libraries' names, which stock Keras would ignore too.
+        ("accum_steps", "gradient_accumulation_steps"),
+        ("max_grad_norm", "global_clipnorm"),
+        ("skip_nan", "skip_nonfinite"),
     ],
 )
 def test_a_misspelled_option_is_refused_naming_the_closest(given, meant):

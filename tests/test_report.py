@@ -161,7 +161,11 @@ def test_report_refuses_a_missing_or_empty_log_dir(tmp_path, capsys, make):
     code, out, err = run_cli(capsys, str(log_dir))
     assert code == 2 and out == ""
     if make == "missing":
-        assert err == f"keras-safe-dist report: log directory not found: {log_dir}\n"
+        assert err == (
+            f"keras-safe-dist report: log directory not found: {str(log_dir)!r}. Pass the log_dir "
+            "given to the callbacks (NaNOnsetDetector, the audits, Dashboard), as it is seen "
+            f"from here (the working directory is {os.getcwd()})\n"
+        )
     else:
         assert err.startswith(f"keras-safe-dist report: nothing to report under {log_dir}: no audit_*.json")
 
@@ -339,7 +343,7 @@ def test_report_reads_logs_without_loading_tensorflow(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "| . | grad_norm | 1.5 | 1.5 | 1.5 |" in done.stdout
     assert done.stdout.splitlines()[-1].split() == ["0", "2", "False", "False"]
-    assert f"log directory not found: {tmp_path / 'missing'}" in done.stderr
+    assert f"log directory not found: {str(tmp_path / 'missing')!r}" in done.stderr
 
 
 def test_an_unknown_fail_on_in_the_api_names_the_argument(tmp_path):

@@ -760,8 +760,23 @@ def test_fit_evaluate_and_predict_on_zero_samples_raise(devices):
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.zeros((0, 4), "float32"), np.zeros((0, 1), "float32")
     for method, args in (("fit", (x, y)), ("evaluate", (x, y)), ("predict", (x,))):
-        with pytest.raises(ValueError, match=rf"SafeDistributedModel.{method}\(\) received data that holds no samples"):
+        with pytest.raises(ValueError, match=rf"SafeDistributedModel.{method}\(\) received x that holds no samples"):
             getattr(model, method)(*args, verbose=0)
+
+    class Empty(keras.utils.PyDataset):
+        def __len__(self):
+            return 0
+
+        def __getitem__(self, index):
+            raise IndexError(index)
+
+    # Stock Keras on JAX: a bare StopIteration (a TypeError from predict()).
+    for method in ("fit", "evaluate", "predict"):
+        with pytest.raises(ValueError, match=r"received x that holds no samples.*of 0 batches"):
+            getattr(model, method)(Empty(), verbose=0)
+    # Stock Keras: a whole epoch's steps first, then an error about evaluate().
+    with pytest.raises(ValueError, match=r"received validation_data that holds no samples"):
+        model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), validation_data=(x, y), verbose=0)
     assert int(model.optimizer.iterations) == 0
 
 

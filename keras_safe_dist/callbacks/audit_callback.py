@@ -1,5 +1,6 @@
 """The base of the audit callbacks: reporting, silencing and acting on findings."""
 
+import collections.abc
 import warnings
 
 import keras
@@ -179,11 +180,13 @@ def _finding_codes(ignore):
     """`ignore` as a tuple of known finding codes; any iterable of str, read once.
 
     Raises:
-        TypeError: for a single string or anything but an iterable of str.
+        TypeError: for a single string, a mapping (whose values would be
+            dropped: `{"MODE003": False}` would ignore MODE003), or anything
+            but an iterable of str.
         ValueError: for an unknown code.
     """
     received = repr(ignore)
-    if not isinstance(ignore, (str, bytes)):
+    if not isinstance(ignore, (str, bytes, collections.abc.Mapping)):
         try:
             ignore = tuple(ignore)  # a generator is read a single time
         except TypeError:

@@ -234,7 +234,11 @@ def read_log_dir(log_dir):
             f"callbacks (here perhaps {os.path.dirname(log_dir) or '.'})"
         )
     if not os.path.isdir(log_dir):
-        raise FileNotFoundError(f"log directory not found: {log_dir}")
+        raise FileNotFoundError(
+            f"log directory not found: {log_dir!r}. Pass the log_dir given to the "
+            "callbacks (NaNOnsetDetector, the audits, Dashboard), as it is seen from "
+            f"here (the working directory is {os.getcwd()})"
+        )
     report = LogDirReport(log_dir, [], [], [])
     for folder, _, files in sorted(os.walk(log_dir)):
         run = os.path.relpath(folder, log_dir)
