@@ -1,6 +1,7 @@
 """NaNOnsetDetector: injected faults, each with its exact report, the actions and the files."""
 
 import json
+import warnings
 
 import keras
 import numpy as np
@@ -745,6 +746,20 @@ def test_several_steps_per_execution_are_refused_where_the_batch_cannot_be_named
     with pytest.raises(ValueError, match="with steps_per_execution=2 it needs each step's logs") as error:
         fit(model, x, y, NaNOnsetDetector(**detector))
     assert received in str(error.value)
+
+
+def test_settings_that_would_have_no_effect_are_named(replicas):
+    with pytest.warns(UserWarning, match=r"max_consecutive_skips=3 has no effect with action='stop'; it bounds"):
+        NaNOnsetDetector(action="stop", max_consecutive_skips=3)
+    x, y = data(16)
+    model = build(replicas)
+    # On TensorFlow every step's logs are checked: no record to space the reads of.
+    with pytest.warns(UserWarning, match=r"check_every=5 has no effect here.*With SafeDistributedFunctional on tensorflow every step's logs are checked"):
+        fit(model, x, y, NaNOnsetDetector(check_every=5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NaNOnsetDetector(action="continue", max_consecutive_skips=3)
+        fit(model, x, y, NaNOnsetDetector())
 
 
 def test_config_round_trip(tmp_path):

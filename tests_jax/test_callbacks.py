@@ -341,6 +341,15 @@ def test_two_nan_detectors_in_one_fit_are_refused_before_a_step():
         np.testing.assert_array_equal(kept, value)
 
 
+def test_check_every_warns_only_where_it_has_no_effect():
+    x, y, _ = regression_data(16)
+    with pytest.warns(UserWarning, match=r"check_every=5 has no effect here.*With Functional on jax every step's logs are checked"):
+        _stock_model().fit(x, y, batch_size=8, verbose=0, callbacks=[callbacks.NaNOnsetDetector(check_every=5)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mlp().fit(x, y, batch_size=8, verbose=0, callbacks=[callbacks.NaNOnsetDetector(check_every=5)])
+
+
 def test_one_callback_not_in_a_list_is_taken_as_stock_takes_it():
     x, y, _ = regression_data(16)
     seen = []

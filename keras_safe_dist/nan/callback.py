@@ -20,6 +20,8 @@ from keras_safe_dist.update import _rule
 __all__ = ["NaNOnsetDetector"]
 
 ACTIONS = ("stop", "restore", "continue")
+_DEFAULT_CHECK_EVERY = 32
+_DEFAULT_MAX_SKIPS = 10
 
 
 def _jax_locate():
@@ -135,12 +137,15 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         history: number of steps of loss and grad norm kept for the report;
             integer >= 1.
         max_consecutive_skips: with `action="continue"`, how many skipped
-            updates in a row end training; integer >= 1.
+            updates in a row end training; integer >= 1. Another value
+            than 10 with another action has no effect, and warns.
         check_every: on JAX with a `SafeDistributedModel`, the steps between
             two reads of the step's record; integer >= 1. Smaller stops
             sooner after an onset and keeps fewer batches; each read is one
             small host transfer of the record kept `check_every` steps before,
-            whose step has finished by then.
+            whose step has finished by then. Elsewhere every step's logs are
+            checked: another value than 32 has no effect, and warns when
+            training begins.
 
     Raises:
         ValueError: for an `action` other than `"stop"`, `"restore"` and
@@ -165,7 +170,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, log_dir=None, action="stop", history=50, max_consecutive_skips=10, check_every=32
+        self,
+        log_dir=None,
+        action="stop",
+        history=50,
+        max_consecutive_skips=10,
+        check_every=_DEFAULT_CHECK_EVERY,
     ):
         if action not in ACTIONS:
             raise ValueError(
@@ -177,6 +187,13 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             "max_consecutive_skips", max_consecutive_skips
         )
         check_every = _validate.integer_at_least("check_every", check_every)
+        if action != "continue" and max_consecutive_skips != _DEFAULT_MAX_SKIPS:
+            warnings.warn(
+                f"NaNOnsetDetector: max_consecutive_skips={max_consecutive_skips} has no "
+                f"effect with action={action!r}; it bounds the skipped updates in a row "
+                "with action='continue'.",
+                stacklevel=2,
+            )
         super().__init__()
         self.log_dir = _validate.optional_path("log_dir", log_dir)
         self.action = action
@@ -261,6 +278,14 @@ class NaNOnsetDetector(keras.callbacks.Callback):
                 + ". Use action='stop' or 'restore', or a SafeDistributedModel."
             )
         self._check_steps_per_execution(model)
+        if not self._jax and self.check_every != _DEFAULT_CHECK_EVERY:
+            warnings.warn(
+                f"NaNOnsetDetector: check_every={self.check_every} has no effect here; it "
+                "spaces the reads of the step's record on JAX with a SafeDistributedModel. "
+                f"With {type(model).__name__} on {keras.backend.backend()} every step's "
+                "logs are checked.",
+                stacklevel=2,
+            )
         if self.log_dir is not None and distributed.is_chief(distributed.strategy_of(model)):
             # Before any training: the report is written at the onset.
             _validate.writable_directory("NaNOnsetDetector", "log_dir", self.log_dir)
