@@ -497,7 +497,10 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 cardinality 0, a `PyDataset` of 0 batches); when
                 `sample_weight` has two or more axes beyond the loss's
                 per-sample values (Keras would spread it across the batch);
-                or when two `NaNOnsetDetector`s are among the callbacks.
+                when `batch_size` or `validation_batch_size` is not None or
+                an integer >= 1; or when two `NaNOnsetDetector`s are among
+                the callbacks.
+            TypeError: when a callback class is given for an instance.
 
         Example:
 
@@ -507,6 +510,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         """
         self._check_has_optimizer("fit")
         strategy = distributed.strategy_of(self)
+        _check_batch_sizes("fit", args, kwargs, ("batch_size", "validation_batch_size"))
         _check_has_samples("fit", _fit_data(args, kwargs)[0], strategy)
         validation = _argument("fit", "validation_data", args, kwargs)
         if isinstance(validation, (tuple, list)) and validation:
@@ -554,6 +558,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 where stock Keras returns an empty list on TensorFlow and
                 raises a bare `StopIteration` on JAX.
         """
+        _check_batch_sizes("evaluate", args, kwargs, ("batch_size",))
         _check_has_samples("evaluate", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
         args, kwargs = _fresh_batches(keras.Model.evaluate, args, kwargs, ("x",))
         return super().evaluate(*args, **kwargs)
@@ -577,6 +582,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 where stock Keras fails with an `UnboundLocalError`
                 ('batch_outputs').
         """
+        _check_batch_sizes("predict", args, kwargs, ("batch_size",))
         _check_has_samples("predict", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
         args, kwargs = _fresh_batches(keras.Model.predict, args, kwargs, ("x",))
         return super().predict(*args, **kwargs)
@@ -613,6 +619,14 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         )
 
     def _with_epoch_callback(self, callbacks):
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            classes = [c.__name__ for c in keras.tree.flatten(callbacks or []) if isinstance(c, type)]
+            if classes:
+                raise TypeError(
+                    "fit()'s `callbacks` must be callback instances. Received the "
+                    f"class{'es' if len(classes) > 1 else ''} {', '.join(classes)}. Pass "
+                    f"an instance, e.g. callbacks=[{classes[0]}()]."
+                )
         self._set_requests(callbacks)
         callback = _EpochBoundary()
         if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -1048,6 +1062,29 @@ def _fit_data(args, kwargs):
     names = ("x", "y", "batch_size")
     given = dict(zip(names, args))
     return kwargs.get("x", given.get("x")), kwargs.get("batch_size", given.get("batch_size"))
+
+
+def _check_batch_sizes(method, args, kwargs, names):
+    """Raises a `ValueError` for a batch size that is neither None nor an integer >= 1.
+
+    Stock Keras takes `batch_size=0` as no batch size (32 samples a batch),
+    and fails on a negative one with a bare `StopIteration`.
+    """
+    for name in names:
+        value = _argument(method, name, args, kwargs)
+        if value is None or (
+            isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+        ):
+            continue
+        raise ValueError(
+            f"SafeDistributedModel.{method}()'s `{name}` must be an integer >= 1 (samples "
+            f"per micro-batch), or None for Keras's default. Received: {name}={value!r}"
+            + (
+                " (stock Keras would take 0 as None: 32 samples a batch)"
+                if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value == 0
+                else ""
+            )
+        )
 
 
 def _argument(method, name, args, kwargs):

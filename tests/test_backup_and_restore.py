@@ -59,6 +59,21 @@ def resume(directory, epochs=3):
     return record
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"backup_dir": 5}, TypeError, r"`backup_dir` must be a path \(str or os.PathLike\) that every worker can read\. Received: backup_dir=5"),
+        ({"delete_checkpoint": "no"}, TypeError, r"`delete_checkpoint` must be True .* or False .*\. Received: delete_checkpoint='no'"),
+        ({"save_freq": 10}, ValueError, r"backs up at epoch ends only.*Received: save_freq=10\. Use save_freq='epoch'"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MultiWorkerBackupAndRestore(**{"backup_dir": str(tmp_path), **kwargs})
+    # A pathlib.Path is a path.
+    assert MultiWorkerBackupAndRestore(tmp_path / "backup").backup_dir == str(tmp_path / "backup")
+
+
 def test_a_whole_backup_resumes_at_its_epoch_with_its_weights(backup):
     directory, weights = backup
     assert sorted(os.listdir(directory)) == ["epoch_1.weights.h5", "training_metadata.json"]

@@ -488,6 +488,19 @@ def test_fit_evaluate_and_predict_on_data_without_samples_raise(steps, data):
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
+@pytest.mark.parametrize("method, name", [("fit", "batch_size"), ("fit", "validation_batch_size"), ("evaluate", "batch_size"), ("predict", "batch_size")])
+@pytest.mark.parametrize("value", [0, -4, 2.5, "8", True])
+def test_a_batch_size_that_is_not_a_positive_integer_is_refused(method, name, value):
+    model = functional()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y, _ = regression_data(8)
+    args = (x,) if method == "predict" else (x, y)
+    with pytest.raises(ValueError, match=rf"SafeDistributedModel.{method}\(\)'s `{name}` must be an integer >= 1 .* Received: {name}={re.escape(repr(value))}"):
+        getattr(model, method)(*args, verbose=0, **{name: value})
+    model.predict(x, batch_size=np.int64(4), verbose=0)  # NumPy's integers are integers
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
 def test_a_py_dataset_of_no_batches_and_empty_validation_data_raise_before_a_step():
     model = functional()
     model.compile(optimizer="sgd", loss="mse")

@@ -99,6 +99,8 @@ def test_two_detectors_in_one_fit_are_refused_and_one_callback_alone_is_taken(re
     model = build(replicas)
     with pytest.raises(ValueError, match="received 2 NaN onset detectors.*Pass one NaNOnsetDetector per fit"):
         model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[NaNOnsetDetector(), NaNOnsetDetector()])
+    with pytest.raises(TypeError, match=r"must be callback instances\. Received the class NaNOnsetDetector\. Pass an instance, e\.g\. callbacks=\[NaNOnsetDetector\(\)\]"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[NaNOnsetDetector])
     # As stock Keras takes it: one callback, not in a list.
     history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=NaNOnsetDetector())
     assert len(history.history["loss"]) == 2

@@ -61,6 +61,8 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
             signature of Keras's `BackupAndRestore`.
 
     Raises:
+        TypeError: for a `backup_dir` that is not a path (str or
+            `os.PathLike`), or a `delete_checkpoint` that is not a bool.
         ValueError: for a `save_freq` other than `"epoch"`, or an empty
             `backup_dir` (Keras's own check); when training begins, for a
             backup that cannot be restored whole (the model is left as it
@@ -78,6 +80,18 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
     """
 
     def __init__(self, backup_dir, delete_checkpoint=True, save_freq="epoch"):
+        if not isinstance(backup_dir, (str, os.PathLike)):
+            raise TypeError(
+                "MultiWorkerBackupAndRestore's `backup_dir` must be a path (str or "
+                f"os.PathLike) that every worker can read. Received: backup_dir={backup_dir!r}"
+            )
+        backup_dir = os.fspath(backup_dir)
+        if not isinstance(delete_checkpoint, bool):
+            raise TypeError(
+                "MultiWorkerBackupAndRestore's `delete_checkpoint` must be True (delete "
+                "the backup when training ends normally) or False (keep it). Received: "
+                f"delete_checkpoint={delete_checkpoint!r}"
+            )
         if save_freq != "epoch":
             raise ValueError(
                 "MultiWorkerBackupAndRestore backs up at epoch ends only: Keras "
