@@ -556,7 +556,8 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             ValueError: when `x` holds no samples (arrays of 0 rows, a
                 dataset of cardinality 0, a `PyDataset` of 0 batches),
                 where stock Keras returns an empty list on TensorFlow and
-                raises a bare `StopIteration` on JAX.
+                raises a bare `StopIteration` on JAX; or when `batch_size`
+                is not None or an integer >= 1.
         """
         _check_batch_sizes("evaluate", args, kwargs, ("batch_size",))
         _check_has_samples("evaluate", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
@@ -580,7 +581,8 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             ValueError: when `x` holds no samples (arrays of 0 rows, a
                 dataset of cardinality 0, a `PyDataset` of 0 batches),
                 where stock Keras fails with an `UnboundLocalError`
-                ('batch_outputs').
+                ('batch_outputs'); or when `batch_size` is not None or an
+                integer >= 1.
         """
         _check_batch_sizes("predict", args, kwargs, ("batch_size",))
         _check_has_samples("predict", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
