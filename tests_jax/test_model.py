@@ -147,6 +147,16 @@ def test_sample_weights_keras_would_spread_across_the_batch_are_refused(devices)
     # the model for it; they are back, unchanged.
     for kept, value in zip(model.get_weights(), initial):
         np.testing.assert_array_equal(kept, value)
+    # train_on_batch() leaves its state on the model; a refused fit() after
+    # set_weights() keeps the weights set, not that call's.
+    with pytest.raises(ValueError, match="broadcast across the batch"):
+        model.train_on_batch(x, y, sample_weight=weights)
+    model.train_on_batch(x, y)
+    model.set_weights(initial)
+    with pytest.raises(ValueError, match="broadcast across the batch"):
+        model.fit(x, y, sample_weight=weights, batch_size=8, verbose=0)
+    for kept, value in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(kept, value)
     stock = _mlp(keras.Model)
     stock.compile(optimizer="sgd", loss="mse")
     stock.fit(x, y, sample_weight=weights.reshape(8, 1), batch_size=8, epochs=2, verbose=0)

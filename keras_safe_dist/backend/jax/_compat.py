@@ -218,6 +218,17 @@ def set_untracked(model, name, value):
     object.__setattr__(model, name, value)
 
 
+def forget_step_state(model):
+    """Drops the state a `train_on_batch()` left on the model (`model._jax_state`).
+
+    Keras's JAX `fit()` sets it after each of its steps and clears it when it
+    ends; only its end-of-fit sync reads it before the first step sets it, and
+    then it would put that call's arrays back on the model. Called when a
+    `fit()` begins, so that `put_back_at_sync` sees no step's state there.
+    """
+    set_untracked(model, "_jax_state", None)
+
+
 def put_back_at_sync(model, state):
     """Makes Keras's `jax_state_sync()` put `state` back on the model, when no step's state is there.
 

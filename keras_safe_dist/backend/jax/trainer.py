@@ -101,7 +101,19 @@ class JAXTrainer(_compat.EpochEndOverride):
             # A NaNOnsetDetector keeps the host batches for its replay (in one process).
             stack.enter_context(_host_batches.host_batches_told())
             stack.enter_context(_failures_reported())
+            stack.enter_context(self._fitting())
             return super().fit(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _fitting(self):
+        # Read by the train function: only `fit()` takes the variables' values
+        # off the model for its steps (`train_on_batch()` leaves them there).
+        self.__dict__["_in_fit"] = True
+        _jax_compat.forget_step_state(self)
+        try:
+            yield
+        finally:
+            self.__dict__["_in_fit"] = False
 
     def evaluate(self, *args, **kwargs):
         processes.check_joined("evaluate")
@@ -224,7 +236,8 @@ class JAXTrainer(_compat.EpochEndOverride):
             except BaseException:
                 # A step refused while traced (a loss or sample weights this
                 # step cannot use): the model keeps its variables' values.
-                _jax_compat.put_back_at_sync(self, state)
+                if self.__dict__.get("_in_fit"):
+                    _jax_compat.put_back_at_sync(self, state)
                 raise
 
         self.train_function = train_function
