@@ -1008,7 +1008,10 @@ def _model_graph(model, input_shape):
         )
     if input_shape is not None and (
         not isinstance(input_shape, (tuple, list))
-        or not all(d is None or (isinstance(d, int) and d > 0) for d in input_shape)
+        or not all(
+            d is None or (isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0)
+            for d in input_shape
+        )
     ):
         raise TypeError(
             "SafeDistributedModel.from_model()'s `input_shape` is the shape of one "

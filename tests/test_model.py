@@ -223,7 +223,7 @@ def test_from_model_refuses_an_input_shape_that_differs_from_the_model():
         SafeDistributedModel.from_model(_sequential_with_input(), input_shape=(5,))
 
 
-@pytest.mark.parametrize("input_shape", [4, (4.0,), (0,), "4"])
+@pytest.mark.parametrize("input_shape", [4, (4.0,), (0,), "4", (True,)])
 def test_from_model_refuses_an_input_shape_that_is_not_a_shape(input_shape):
     with pytest.raises(TypeError, match=rf"a tuple of positive integers .* Received: input_shape={re.escape(repr(input_shape))}\. For samples of 8 features pass input_shape=\(8,\)"):
         SafeDistributedModel.from_model(_sequential_unbuilt(), input_shape=input_shape)

@@ -20,8 +20,9 @@ data than it was given:
 on every backend and platform: one pass over the batch's memory, on tf.data's
 thread on TensorFlow, on the thread that runs the steps on JAX. A `PyDataset`
 that runs in worker processes (`use_multiprocessing=True`, `workers` above 0)
-is passed as given: its batches reach the step already copied. Other leaves (JAX and TensorFlow tensors, which cannot change,
-Python numbers) pass as they are.
+is passed as given: its batches reach the step already copied. Other leaves
+(JAX and TensorFlow tensors, which cannot change, Python numbers) pass as they
+are.
 """
 
 import types
