@@ -511,13 +511,14 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         self._check_has_optimizer("fit")
         strategy = distributed.strategy_of(self)
         _check_batch_sizes("fit", args, kwargs, ("batch_size", "validation_batch_size"))
-        _check_has_samples("fit", _fit_data(args, kwargs)[0], strategy)
+        x = _argument("fit", "x", args, kwargs)
+        _check_has_samples("fit", x, strategy)
         validation = _argument("fit", "validation_data", args, kwargs)
         if isinstance(validation, (tuple, list)) and validation:
             validation = validation[0]
         if validation is not None:
             _check_has_samples("fit", validation, strategy, argument="validation_data")
-        self._check_fit_data(*_fit_data(args, kwargs))
+        self._check_fit_data(x, _argument("fit", "batch_size", args, kwargs))
         position = _POSITIONS["fit"]["callbacks"]
         args = list(args)
         if len(args) > position:
@@ -560,7 +561,9 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 is not None or an integer >= 1.
         """
         _check_batch_sizes("evaluate", args, kwargs, ("batch_size",))
-        _check_has_samples("evaluate", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
+        _check_has_samples(
+            "evaluate", _argument("evaluate", "x", args, kwargs), distributed.strategy_of(self)
+        )
         args, kwargs = _fresh_batches(keras.Model.evaluate, args, kwargs, ("x",))
         return super().evaluate(*args, **kwargs)
 
@@ -585,7 +588,9 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 integer >= 1.
         """
         _check_batch_sizes("predict", args, kwargs, ("batch_size",))
-        _check_has_samples("predict", _fit_data(args, kwargs)[0], distributed.strategy_of(self))
+        _check_has_samples(
+            "predict", _argument("predict", "x", args, kwargs), distributed.strategy_of(self)
+        )
         args, kwargs = _fresh_batches(keras.Model.predict, args, kwargs, ("x",))
         return super().predict(*args, **kwargs)
 
@@ -622,7 +627,10 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
 
     def _with_epoch_callback(self, callbacks):
         if not isinstance(callbacks, keras.callbacks.CallbackList):
-            classes = [c.__name__ for c in keras.tree.flatten(callbacks or []) if isinstance(c, type)]
+            # Keras takes one callback or nested lists of them, as
+            # `keras.tree.flatten` reads them.
+            callbacks = keras.tree.flatten(callbacks or [])
+            classes = [c.__name__ for c in callbacks if isinstance(c, type)]
             if classes:
                 raise TypeError(
                     "fit()'s `callbacks` must be callback instances. Received the "
@@ -636,10 +644,8 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             callback.set_params(callbacks.params)
             callbacks.callbacks.insert(0, callback)
             return callbacks
-        # Keras then adds no progress bar of its own. Keras takes one callback
-        # or nested lists of them, as `keras.tree.flatten` reads them.
-        given = keras.tree.flatten(callbacks or [])
-        return [callback] + given + _progbar.for_fit(given, self._stats_requested)
+        # Keras then adds no progress bar of its own.
+        return [callback] + callbacks + _progbar.for_fit(callbacks, self._stats_requested)
 
 
 @keras.saving.register_keras_serializable(package="keras_safe_dist")
@@ -1008,10 +1014,7 @@ def _model_graph(model, input_shape):
         )
     if input_shape is not None and (
         not isinstance(input_shape, (tuple, list))
-        or not all(
-            d is None or (isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0)
-            for d in input_shape
-        )
+        or not all(d is None or _validate.is_integer_at_least(d, 1) for d in input_shape)
     ):
         raise TypeError(
             "SafeDistributedModel.from_model()'s `input_shape` is the shape of one "
@@ -1062,13 +1065,6 @@ def _has_inputs(model):
         return False
 
 
-def _fit_data(args, kwargs):
-    """`(x, batch_size)` as `fit()` received them."""
-    names = ("x", "y", "batch_size")
-    given = dict(zip(names, args))
-    return kwargs.get("x", given.get("x")), kwargs.get("batch_size", given.get("batch_size"))
-
-
 def _check_batch_sizes(method, args, kwargs, names):
     """Raises a `ValueError` for a batch size that is neither None nor an integer >= 1.
 
@@ -1077,16 +1073,14 @@ def _check_batch_sizes(method, args, kwargs, names):
     """
     for name in names:
         value = _argument(method, name, args, kwargs)
-        if value is None or (
-            isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
-        ):
+        if value is None or _validate.is_integer_at_least(value, 1):
             continue
         raise ValueError(
             f"SafeDistributedModel.{method}()'s `{name}` must be an integer >= 1 (samples "
             f"per micro-batch), or None for Keras's default. Received: {name}={value!r}"
             + (
                 " (stock Keras would take 0 as None: 32 samples a batch)"
-                if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value == 0
+                if _validate.is_integer_at_least(value, 0)
                 else ""
             )
         )

@@ -8,17 +8,20 @@ import os
 import tempfile
 
 
+def is_integer_at_least(value, minimum=1):
+    """Whether `value` is an integer (a NumPy one too, not a bool) >= `minimum`."""
+    return (
+        isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+    )
+
+
 def integer_at_least(name, value, minimum=1):
     """`value` as an int when it is an integer (not a bool) >= `minimum`.
 
     Raises:
         ValueError: otherwise.
     """
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or value < minimum
-    ):
+    if not is_integer_at_least(value, minimum):
         raise ValueError(
             f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
         )
