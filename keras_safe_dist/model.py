@@ -203,8 +203,12 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         **kwargs,
     ):
         # The functional class is an implementation detail: name the one called.
-        called = SafeDistributedModel if type(self) is SafeDistributedFunctional else type(self)
-        _refuse_misspelled_options(called.__name__, kwargs)
+        functional = type(self) is SafeDistributedFunctional
+        called = SafeDistributedModel if functional else type(self)
+        # A subclass's or a mixed-in parent's own arguments pass through here
+        # (a KerasHub backbone's `layer_norm_epsilon`): only the functional
+        # constructor, which gives them all to Keras, reads other libraries' names.
+        _refuse_misspelled_options(called.__name__, kwargs, other_libraries=functional)
         options = _validate_options(
             gradient_accumulation_steps,
             global_clipnorm,
@@ -836,12 +840,14 @@ _OPTION_WORDS = (
 )
 
 
-def _meant_option(name):
-    """The option `name` looks meant for, or None."""
+def _meant_option(name, other_libraries=True):
+    """The option `name` looks meant for, or None; `other_libraries`: also by `_OPTION_WORDS`."""
     held = [option for option in _OPTION_DEFAULTS if name in option or option in name]
     close = held or difflib.get_close_matches(name, _OPTION_DEFAULTS, n=1, cutoff=0.7)
     if close:
         return close[0]
+    if not other_libraries:
+        return None
     lowered = name.lower()
     return next((option for word, option in _OPTION_WORDS if word in lowered), None)
 
@@ -862,17 +868,17 @@ def _closest(names):
     return ""
 
 
-def _refuse_misspelled_options(cls_name, kwargs):
+def _refuse_misspelled_options(cls_name, kwargs, other_libraries=True):
     """Raises a `TypeError` for a keyword that looks meant for an option.
 
     Stock `keras.Model` accepts and ignores unknown keywords for a functional
-    model, so `gradient_accumulation=4` or `accum_steps=4` would train with no
-    accumulation and no word. Other unknown keywords go to Keras as they would
-    for stock.
+    model, so `gradient_accumulation=4` or (`other_libraries`) `accum_steps=4`
+    would train with no accumulation and no word. Other unknown keywords go to
+    Keras as they would for stock.
     """
     misspelled = [
         name for name in kwargs
-        if name not in _KERAS_ARGUMENTS and _meant_option(name) is not None
+        if name not in _KERAS_ARGUMENTS and _meant_option(name, other_libraries) is not None
     ]
     if misspelled:
         raise TypeError(

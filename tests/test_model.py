@@ -546,6 +546,27 @@ def test_a_misspelled_option_is_refused_naming_the_closest(given, meant):
     assert f"Received: {given}=4" in message
 
 
+def test_a_mixed_in_parent_s_own_arguments_reach_it():
+    # A KerasHub backbone takes `layer_norm_epsilon`: other libraries' option
+    # names are read only by the functional constructor.
+    class Base(keras.Model):
+        def __init__(self, layer_norm_epsilon=1e-6, **kwargs):
+            super().__init__(**kwargs)
+            self.epsilon = layer_norm_epsilon
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    class SafeBase(SafeDistributedModel, Base):
+        pass
+
+    assert SafeBase(layer_norm_epsilon=1e-5, gradient_accumulation_steps=2).epsilon == 1e-5
+    inputs = keras.Input((3,))
+    with pytest.raises(TypeError, match=r"\['layer_norm_epsilon'\] \(did you mean 'global_clipnorm'\?\)"):
+        SafeDistributedModel(inputs, keras.layers.Dense(1)(inputs), layer_norm_epsilon=1e-5)
+
+
 def test_a_misspelled_option_of_a_subclass_is_refused_before_keras_sees_it():
     class Net(SafeDistributedModel):
         def call(self, x):
