@@ -174,7 +174,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         log_dir=None,
         action="stop",
         history=50,
-        max_consecutive_skips=10,
+        max_consecutive_skips=_DEFAULT_MAX_SKIPS,
         check_every=_DEFAULT_CHECK_EVERY,
     ):
         if action not in ACTIONS:

@@ -215,30 +215,25 @@ class JAXTrainer(_compat.EpochEndOverride):
             variable_layout.lay_out(self)
         self._update_engine.read_layout()
         super().make_train_function(force=True)
-        watch = self._update_engine.watch
-        if watch is not None:
-            # The detector replays the onset's micro-batches: keep references
-            # to the last steps' batches (no copy, no host transfer). And the
-            # record leaves the logs before Keras sees them.
-            function = self.train_function
-
-            def train_function(state, iterator):
-                logs, state = function(state, _Recorded(iterator, watch))
-                watch.take(logs)
-                return logs, state
-
-            self.train_function = train_function
         step_function = self.train_function
+        # The detector replays the onset's micro-batches: keep references to
+        # the last steps' batches (no copy, no host transfer). And the record
+        # leaves the logs before Keras sees them.
+        watch = self._update_engine.watch
 
         def train_function(state, iterator):
             try:
-                return step_function(state, iterator)
+                if watch is None:
+                    return step_function(state, iterator)
+                logs, new_state = step_function(state, _Recorded(iterator, watch))
             except BaseException:
                 # A step refused while traced (a loss or sample weights this
                 # step cannot use): the model keeps its variables' values.
                 if self.__dict__.get("_in_fit"):
                     _jax_compat.put_back_at_sync(self, state)
                 raise
+            watch.take(logs)
+            return logs, new_state
 
         self.train_function = train_function
         return self.train_function
