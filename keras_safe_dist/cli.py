@@ -301,13 +301,32 @@ def _report(args):
         print(report_module.format_text(report, args.fail_on))
     for problem in report.warnings:
         print(f"keras-safe-dist report: skipped {problem.path}: {problem.problem}", file=sys.stderr)
+    if report.warnings:
+        print(_SKIPPED_NEXT, file=sys.stderr)
     for problem in report.errors:
         print(f"keras-safe-dist report: cannot read {problem.path}: {problem.problem}", file=sys.stderr)
+    if report.errors:
+        print(_UNREADABLE_NEXT.format(count=len(report.errors)), file=sys.stderr)
     if args.plot is not None and not _plot(args, report):
         return 2
     if report.errors:
         return 2  # the findings may be incomplete
     return 1 if report.failing(args.fail_on) else 0
+
+
+_SKIPPED_NEXT = (
+    "keras-safe-dist report: the statistics above stop where each skipped event file "
+    "is damaged (the values before it are kept). If its run is still writing, run "
+    "report again when it ends; a file damaged otherwise has lost the values after "
+    "the damage."
+)
+_UNREADABLE_NEXT = (
+    "keras-safe-dist report: the findings above leave out {count} unreadable "
+    "report(s), so the exit status is 2. keras_safe_dist writes each report whole "
+    "(a temporary file renamed over it), so an unreadable one was changed or replaced "
+    "after it was written: move it aside and rerun what wrote it (the audit, or the "
+    "fit with its callbacks) to write it again."
+)
 
 
 def _plot(args, report):

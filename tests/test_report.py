@@ -290,6 +290,8 @@ def test_unreadable_reports_exit_2_naming_each_file_and_keep_the_rest(tmp_path, 
     assert f"cannot read {tmp_path / 'run1' / 'nan_onset.json'}: not readable as JSON" in err
     assert f"cannot read {tmp_path / 'audit_scope.json'}: not readable as JSON" in err
     assert f"cannot read {tmp_path / 'audit_mode.json'}: JSON not of the shape keras_safe_dist writes" in err
+    assert "the findings above leave out 3 unreadable report(s), so the exit status is 2" in err
+    assert "move it aside and rerun what wrote it" in err
     data = json.loads(run_cli(capsys, str(tmp_path), "--json")[1])
     assert sorted(e["path"] for e in data["errors"]) == sorted(
         str(p) for p in (tmp_path / "run1" / "nan_onset.json", tmp_path / "audit_scope.json", tmp_path / "audit_mode.json")
@@ -317,6 +319,7 @@ def test_a_damaged_event_file_is_skipped_with_a_warning_and_earlier_values_kept(
     assert code == 0
     assert "| . | skipped_updates | 0 | 0 | 0 |" in out  # counts print as integers
     assert f"skipped {path}: event file damaged, read up to it:" in err and "truncated" in err
+    assert err.count("If its run is still writing, run report again when it ends") == 1
     assert "Skipped:" in out
     path.write_bytes(intact)
     code, out, err = run_cli(capsys, str(tmp_path))
