@@ -11,7 +11,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import _compat
-from keras_safe_dist._compat import tensorflow as _tf_compat
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 
 from conftest import strategy_for
 
@@ -456,7 +456,7 @@ def test_distributed_dataset_knows_the_dataset_it_was_made_from():
 
 
 def test_a_traced_tensor_is_told_same_for_every_sample_only_when_no_data_reaches_it():
-    from keras_safe_dist._compat import tensorflow as _tf_compat
+    from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 
     constant = tf.constant([[0, 1, 2]])  # captured from outside, as a layer's built ids
     found = {}

@@ -2,12 +2,12 @@
 
 - Each backend's library is imported in that backend's folder only. A JAX user
   has no TensorFlow, a TensorFlow user may have no jax: a module outside
-  `backend/<name>/` (and that backend's private APIs, `_compat/<name>.py`)
-  imports neither library at module level (the TensorFlow doctor's probes,
-  `doctor/probes/`, run on TensorFlow only), and a backend's folder never
-  imports the other backend's library or folder, at any level.
+  `backend/<name>/` imports neither library at module level (the TensorFlow
+  doctor's probes, `doctor/probes/`, run on TensorFlow only), and a backend's
+  folder never imports the other backend's library or folder, at any level.
 - Private Keras, TensorFlow and jax APIs (`keras.src`, `tensorflow.python`,
-  `jax._src`) are imported in `_compat/` only, at any level.
+  `jax._src`) are imported by the compatibility modules only, at any level:
+  `_compat.py` (the backend-neutral ones) and each backend's `_compat.py`.
 - No import cycle, counting the imports inside functions (a lazy import that
   goes back up is the same cycle, hidden), and counting the package
   `__init__` that importing `a.b.c` runs when `a.b` is another folder's.
@@ -25,10 +25,11 @@ PACKAGE = pathlib.Path(keras_safe_dist.__file__).parent
 LIBRARIES = ("tensorflow", "jax")
 # Where a module may import each library (and its Keras backend) at module level.
 ALLOWED = {
-    "tensorflow": ("backend/tensorflow/", "_compat/tensorflow.py", "doctor/probes/"),
-    "jax": ("backend/jax/", "_compat/jax.py"),
+    "tensorflow": ("backend/tensorflow/", "doctor/probes/"),
+    "jax": ("backend/jax/",),
 }
 PRIVATE = ("keras.src", "tensorflow.python", "jax._src")
+COMPAT = ("_compat.py", "backend/tensorflow/_compat.py", "backend/jax/_compat.py")
 
 
 def _imports(tree, top_level_only):
@@ -44,12 +45,7 @@ def _library(module):
     """The backend library `module` belongs to, or None."""
     for library in LIBRARIES:
         if module == library or module.startswith(
-            (
-                f"{library}.",
-                f"keras.src.backend.{library}",
-                f"keras_safe_dist.backend.{library}",
-                f"keras_safe_dist._compat.{library}",
-            )
+            (f"{library}.", f"keras.src.backend.{library}", f"keras_safe_dist.backend.{library}")
         ):
             return library
     return None
@@ -83,14 +79,14 @@ def test_a_backend_folder_never_imports_the_other_backend():
 
 
 def _private(module):
-    return module.startswith(tuple(f"{name}." for name in PRIVATE)) or module in PRIVATE
+    return module in PRIVATE or module.startswith(tuple(f"{name}." for name in PRIVATE))
 
 
-def test_private_apis_are_imported_in_the_compatibility_package_only():
+def test_private_apis_are_imported_by_the_compatibility_modules_only():
     misplaced = [
         f"{name} imports {module}"
         for name, tree in _modules()
-        if not name.startswith("_compat/")
+        if name not in COMPAT
         for module in _imports(tree, top_level_only=False)
         if _private(module)
     ]
@@ -105,12 +101,14 @@ def test_the_layout_check_sees_the_backend_modules():
     assert _library("tensorflow.python.distribute") == "tensorflow"
     assert _library("keras_safe_dist.backend.jax.trainer") == "jax"
     assert _library("keras_safe_dist.core._lazy") is None
-    assert _library("keras_safe_dist._compat.tensorflow") == "tensorflow"
-    # The private-API check sees every one of the compatibility package's imports.
-    private = {module for name, tree in _modules() if name.startswith("_compat/") for module in _imports(tree, False)}
-    assert {"keras.src.trainers", "tensorflow.python.distribute", "keras.src.backend.jax"} <= private
-    assert all(map(_private, ["keras.src", "keras.src.losses", "jax._src.core"]))
-    assert not _private("keras.srcs") and not _private("keras")
+    # The private-API check sees each compatibility module's imports.
+    imported = {name: set(_imports(tree, top_level_only=False)) for name, tree in _modules() if name in COMPAT}
+    assert sorted(imported) == sorted(COMPAT)
+    assert "keras.src.trainers" in imported["_compat.py"]
+    assert "tensorflow.python.distribute" in imported["backend/tensorflow/_compat.py"]
+    assert "keras.src.backend.jax" in imported["backend/jax/_compat.py"]
+    assert all(map(_private, ["keras.src", "keras.src.losses", "jax._src.core", "tensorflow.python"]))
+    assert not _private("keras.srcs") and not _private("keras") and not _private("tensorflow")
 
 
 ROOT_MODULES_AT_MOST = 10

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from keras_safe_dist import SafeDistributedModel
-from keras_safe_dist._compat import tensorflow as _tf_compat
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 from keras_safe_dist.backend.tensorflow import _per_worker
 from keras_safe_dist.scale_out.launch import WorkerGroup
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from keras.src.backend.jax import trainer as keras_jax_trainer
 
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 
 
 def _parameters(function):

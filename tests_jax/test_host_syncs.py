@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from keras_safe_dist import SafeDistributedModel
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.callbacks import Dashboard
 from keras_safe_dist.callbacks import NaNOnsetDetector
 

@@ -33,7 +33,7 @@ import contextlib
 
 import jax
 
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.core import _generators
 
 __all__ = ["HostBatchesEpochIterator", "host_batches_told"]

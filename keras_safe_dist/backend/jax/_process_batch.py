@@ -30,7 +30,7 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 
 _state = threading.local()
 

@@ -19,7 +19,7 @@ import numpy as np
 from keras import ops
 
 from keras_safe_dist import _compat
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax.nan_watch import OnsetWatch
 from keras_safe_dist.update import _loss
 from keras_safe_dist.update import _rule

@@ -44,7 +44,7 @@ import time
 
 import jax
 
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 
 _FAILED = "keras_safe_dist/failed"
 _ALIVE = "keras_safe_dist/alive/"

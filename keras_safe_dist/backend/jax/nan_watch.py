@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.update import _rule
 
 __all__ = ["Onset", "OnsetWatch"]

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax import _watchdog
 
 # Keras's own variables (keras.distribution.initialize reads the same).

@@ -23,7 +23,7 @@ import jax
 import keras
 
 from keras_safe_dist import _compat
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax import _host_batches
 from keras_safe_dist.backend.jax import _process_batch
 from keras_safe_dist.backend.jax import _watchdog

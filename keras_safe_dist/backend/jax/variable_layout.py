@@ -15,7 +15,7 @@ Only imported on the JAX backend.
 import jax
 import keras
 
-from keras_safe_dist._compat import jax as _jax_compat
+from keras_safe_dist.backend.jax import _compat as _jax_compat
 from keras_safe_dist.backend.jax.train_step_layout import distribution_name
 from keras_safe_dist.backend.jax.train_step_layout import examples
 from keras_safe_dist.backend.jax.train_step_layout import misplaced

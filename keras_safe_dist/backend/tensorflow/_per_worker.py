@@ -25,7 +25,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_safe_dist._compat import tensorflow as _tf_compat
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 
 _POLICY = tf.data.experimental.AutoShardPolicy
 # Policies under which a worker's batches are not the worker's share of each

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_safe_dist import _compat
-from keras_safe_dist._compat import tensorflow as _tf_compat
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 from keras_safe_dist.backend.tensorflow._accumulate import Accumulators
 from keras_safe_dist.update import _loss
 from keras_safe_dist.update import _rule

@@ -66,7 +66,7 @@ its slots per step, and two copies' worth of memory.
 import keras
 import tensorflow as tf
 
-from keras_safe_dist._compat import tensorflow as _tf_compat
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 from keras_safe_dist.nan.flags import LOG_NAMES
 from keras_safe_dist.nan.flags import MAX_REPLICAS
 from keras_safe_dist.nan.flags import MAX_REPLICAS_FOR_FLOAT32

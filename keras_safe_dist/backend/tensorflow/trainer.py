@@ -14,9 +14,9 @@ import keras
 import tensorflow as tf
 
 from keras_safe_dist import _compat
-from keras_safe_dist._compat import tensorflow as _tf_compat
 from keras_safe_dist.audits import scope as _scope
 from keras_safe_dist.backend.tensorflow import _accumulate
+from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 from keras_safe_dist.backend.tensorflow import _empty_shares
 from keras_safe_dist.backend.tensorflow import _per_worker
 from keras_safe_dist.backend.tensorflow import _xla

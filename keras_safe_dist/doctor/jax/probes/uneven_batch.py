@@ -4,7 +4,7 @@ Keras's JAX trainer shards every batch along the data-parallel axis and
 raises `IndivisibleError` when the device count does not divide it (the
 last batch of an epoch, typically), in `fit`, `evaluate` and `predict`
 alike. SafeDistributedModel places such a batch whole on every device
-(`_compat/jax.uneven_batches_replicated`), so it computes the one-device result.
+(`backend/jax/_compat.uneven_batches_replicated`), so it computes the one-device result.
 The figure is the largest relative deviation of the three from one device
 (the update, the loss, the predictions: 0 is correct), or which of them
 crashed and the error.

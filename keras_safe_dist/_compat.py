@@ -1,12 +1,13 @@
-"""Every private Keras (and TensorFlow) API keras_safe_dist relies on, in one place.
+"""The backend-neutral private Keras APIs keras_safe_dist relies on.
 
-This package is the only code that touches them (`tests/test_layout.py` checks
-that no other module imports `keras.src`, `tensorflow.python` or `jax._src`).
-It holds the backend-neutral ones; `tensorflow.py` and `jax.py` beside it hold
-each backend's own, so that a JAX user never imports TensorFlow. Every name used
-is checked by `tests/test_compat.py` (and, for JAX, `tests_jax/test_compat.py`),
-so a Keras release that renames or changes one fails those tests loudly instead
-of breaking training silently. This module imports neither TensorFlow nor jax.
+Private Keras APIs are used here and in each backend's own compatibility
+module (`backend/tensorflow/_compat.py`, `backend/jax/_compat.py`, which
+import that backend's library and so live in its folder), nowhere else
+(`tests/test_layout.py` checks that no other module imports `keras.src`,
+`tensorflow.python` or `jax._src`). Every name used is checked by `tests/test_compat.py` (and, for JAX,
+`tests_jax/test_compat.py`), so a Keras release that renames or changes one
+fails those tests loudly instead of breaking training silently. This module
+imports neither TensorFlow nor jax.
 """
 
 import contextlib

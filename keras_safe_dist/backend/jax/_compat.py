@@ -1,7 +1,7 @@
 """The private Keras APIs JAX's step relies on.
 
-With the backend-neutral ones (`_compat/__init__.py`) the only place that
-touches them; `tests_jax/test_compat.py` checks every name used here, so
+With `keras_safe_dist/_compat.py` (the backend-neutral ones) the only place
+that touches them; `tests_jax/test_compat.py` checks every name used here, so
 a Keras release that renames or changes one fails that test loudly.
 """
 

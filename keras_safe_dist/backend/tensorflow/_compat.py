@@ -1,7 +1,7 @@
 """The private Keras and TensorFlow APIs TensorFlow's step relies on.
 
-With the backend-neutral ones (`_compat/__init__.py`) the only place that
-touches them; `tests/test_compat.py` checks every name used here, so a
+With `keras_safe_dist/_compat.py` (the backend-neutral ones) the only place
+that touches them; `tests/test_compat.py` checks every name used here, so a
 release that renames or changes one fails that test loudly instead of
 breaking training silently.
 """
