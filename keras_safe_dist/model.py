@@ -1,8 +1,6 @@
 """`SafeDistributedModel`: exact gradient accumulation and clipping, under tf.distribute or keras.distribution."""
 
-import difflib
 import inspect
-import numbers
 import warnings
 
 import keras
@@ -20,6 +18,7 @@ from keras_safe_dist.nan import rows as _nan_rows
 from keras_safe_dist.nan.link import DetectorLink
 from keras_safe_dist.scale_out import distributed
 from keras_safe_dist.update import _progbar
+from keras_safe_dist.update import options as _options
 
 # The backend's step, chosen here as Keras chooses its trainer in
 # keras/src/models/model.py: each backend's folder is imported on its backend only.
@@ -35,38 +34,6 @@ else:
         "or KERAS_BACKEND=jax before importing keras."
     )
 
-# Why an optimizer option is refused, in the terms of each backend.
-_TF_CLIPS = "clips each replica's gradient before the cross-replica all-reduce"
-_JAX_CLIPS = (
-    "clips inside the optimizer, after SafeDistributedModel has accumulated the "
-    "update, where its update statistics (`grad_norm`, `clip_rate`) do not see it "
-    "(on JAX the optimizer clips the gradient reduced over all devices, as on one "
-    "device; on TensorFlow the same option clips each replica's gradient before "
-    "the all-reduce)"
-)
-_OPTIMIZER_OPTIONS = {
-    "tensorflow": {
-        "clipnorm": _TF_CLIPS,
-        "global_clipnorm": _TF_CLIPS,
-        "clipvalue": _TF_CLIPS,
-        "gradient_accumulation_steps": (
-            "crashes under MirroredStrategy (a merge_call inside tf.cond) and "
-            "weights uneven micro-batches equally"
-        ),
-    },
-    "jax": {
-        "clipnorm": _JAX_CLIPS,
-        "global_clipnorm": _JAX_CLIPS,
-        "clipvalue": _JAX_CLIPS,
-        "gradient_accumulation_steps": (
-            "would average SafeDistributedModel's updates again inside the "
-            "optimizer, each with the same weight, so an update of fewer samples "
-            "(the end of an epoch) counts as much as a full one, and the update "
-            "statistics would count updates the optimizer does not apply"
-        ),
-    },
-}
-
 
 def _option(name):
     """A property for the option `name` that validates an assignment as the constructor does."""
@@ -74,7 +41,7 @@ def _option(name):
     def get(self):
         # The defaults until `__init__` sets them: a parent class may read
         # them sooner (KerasHub's Task compiles in its own `__init__`).
-        return self.__dict__.get("_safe_dist_options", _OPTION_DEFAULTS)[name]
+        return self.__dict__.get("_safe_dist_options", _options.DEFAULTS)[name]
 
     def set(self, value):
         self._assign_option(name, value)
@@ -208,8 +175,8 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         # A subclass's or a mixed-in parent's own arguments pass through here
         # (a KerasHub backbone's `layer_norm_epsilon`): only the functional
         # constructor, which gives them all to Keras, reads other libraries' names.
-        _refuse_misspelled_options(called.__name__, kwargs, other_libraries=functional)
-        options = _validate_options(
+        _options.refuse_misspelled(called.__name__, kwargs, other_libraries=functional)
+        options = _options.validate(
             gradient_accumulation_steps,
             global_clipnorm,
             clipnorm,
@@ -268,8 +235,8 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         self._reset_step_state()
 
     def _assign_option(self, name, value):
-        current = self.__dict__.get("_safe_dist_options", _OPTION_DEFAULTS)
-        options = _validate_options(**{**current, name: value}, assigned=name)
+        current = self.__dict__.get("_safe_dist_options", _options.DEFAULTS)
+        options = _options.validate(**{**current, name: value}, assigned=name)
         if options == current:
             return
         engine = self._update_engine
@@ -300,7 +267,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         options = {
-            name: config.pop(name) for name in _OPTION_DEFAULTS if name in config
+            name: config.pop(name) for name in _options.DEFAULTS if name in config
         }
         if custom_objects is None:
             # A parent mixed in after this class may take no custom_objects
@@ -309,7 +276,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         else:
             model = super().from_config(config, custom_objects=custom_objects)
         model._set_options(
-            _validate_options(**{**_OPTION_DEFAULTS, **options})
+            _options.validate(**{**_options.DEFAULTS, **options})
         )
         return model
 
@@ -367,19 +334,19 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
             model.compile(optimizer="adam", loss="mse")
         ```
         """
-        unknown = [name for name in options if name not in _OPTION_DEFAULTS]
+        unknown = [name for name in options if name not in _options.DEFAULTS]
         if unknown:
             raise TypeError(
                 f"{cls.__name__}.from_model() got unexpected keyword arguments {unknown}"
-                f"{_closest(unknown)}. It takes `input_shape` and the options "
-                f"{sorted(_OPTION_DEFAULTS)}."
+                f"{_options.closest(unknown)}. It takes `input_shape` and the options "
+                f"{sorted(_options.DEFAULTS)}."
             )
         _refuse_overridden_steps(model)
         if isinstance(model, SafeDistributedModel):
             # Its options are kept unless given; a clipping mode given replaces its own.
-            kept = dict(model.__dict__.get("_safe_dist_options", _OPTION_DEFAULTS))
-            if any(options.get(name) is not None for name in _CLIPPING_OPTIONS):
-                kept.update(dict.fromkeys(_CLIPPING_OPTIONS))
+            kept = dict(model.__dict__.get("_safe_dist_options", _options.DEFAULTS))
+            if any(options.get(name) is not None for name in _options.CLIPPING):
+                kept.update(dict.fromkeys(_options.CLIPPING))
             options = {**kept, **options}
         inputs, outputs = _model_graph(model, input_shape)
         wrapped = cls(inputs=inputs, outputs=outputs, name=model.name, **options)
@@ -431,7 +398,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         # only evaluated, predicted or summarized; training refuses it.
         optimizer = args[0] if args else kwargs.get("optimizer", "default")
         if isinstance(optimizer, keras.optimizers.Optimizer):
-            _check_optimizer(optimizer)
+            _options.check_optimizer(optimizer)
         engine = getattr(self, "_update_engine", None)
         if engine is not None:
             # A group pending from train_on_batch() or an interrupted fit() is
@@ -441,7 +408,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         # The backend's trainer places and compiles (keras_safe_dist/backend/).
         super().compile(*args, **kwargs)
         try:
-            _check_optimizer(self.optimizer)
+            _options.check_optimizer(self.optimizer)
         except ValueError:
             self.compiled = False
             raise
@@ -746,16 +713,6 @@ def _skip_message(epoch, update, samples, steps):
     )
 
 
-_OPTION_DEFAULTS = {
-    "gradient_accumulation_steps": 1,
-    "global_clipnorm": None,
-    "clipnorm": None,
-    "clipvalue": None,
-    "skip_nonfinite": True,
-    "log_update_stats": False,
-    "accumulation_dtype": None,
-}
-
 # Where each argument of keras.Model's fit, evaluate and predict is, without
 # `self`: read once, not at each call (inspect.signature takes ~100 µs).
 _POSITIONS = {
@@ -766,7 +723,6 @@ _POSITIONS = {
 }
 
 
-_CLIPPING_OPTIONS = ("global_clipnorm", "clipnorm", "clipvalue")
 # What a wrapped model's class could change in training that from_model() would drop.
 _STEP_METHODS = ("compute_loss", "train_step", "test_step")
 
@@ -786,13 +742,6 @@ def _refuse_overridden_steps(model):
                 f"`class Safe{klass.__name__}(SafeDistributedModel, {klass.__name__})`, "
                 "and build the model from it (docs/model.md)."
             )
-
-
-# Keras's own constructor arguments: never taken for a misspelled option.
-_KERAS_ARGUMENTS = frozenset(inspect.signature(keras.layers.Layer.__init__).parameters) | {
-    "inputs",
-    "outputs",
-}
 
 
 def _warn_if_saved_twice(model, wrapped):
@@ -825,190 +774,6 @@ def _warn_if_saved_twice(model, wrapped):
             stacklevel=3,
         )
         return
-
-
-# Words of other libraries' names for the options (`accum_steps`, `max_grad_norm`,
-# `skip_nan`), each with the option it means, in the order they are tried.
-_OPTION_WORDS = (
-    ("accum", "gradient_accumulation_steps"),
-    ("norm", "global_clipnorm"),
-    ("clip", "global_clipnorm"),
-    ("skip", "skip_nonfinite"),
-    ("finite", "skip_nonfinite"),
-    ("nan", "skip_nonfinite"),
-    ("stat", "log_update_stats"),
-)
-
-
-def _meant_option(name, other_libraries=True):
-    """The option `name` looks meant for, or None; `other_libraries`: also by `_OPTION_WORDS`."""
-    held = [option for option in _OPTION_DEFAULTS if name in option or option in name]
-    close = held or difflib.get_close_matches(name, _OPTION_DEFAULTS, n=1, cutoff=0.7)
-    if close:
-        return close[0]
-    if not other_libraries:
-        return None
-    lowered = name.lower()
-    return next((option for word, option in _OPTION_WORDS if word in lowered), None)
-
-
-def _closest(names):
-    """`" (did you mean 'x'?)"` for the first of `names` that looks meant for an option, else `""`.
-
-    An option that holds the name, or that the name holds, comes first
-    (`accumulation_steps` is `gradient_accumulation_steps` shortened, though
-    its letters are as close to `accumulation_dtype`); then the closest
-    spelling; then a word of another library's name (`accum_steps`,
-    `max_grad_norm`).
-    """
-    for name in names:
-        meant = _meant_option(name)
-        if meant is not None:
-            return f" (did you mean {meant!r}?)"
-    return ""
-
-
-def _refuse_misspelled_options(cls_name, kwargs, other_libraries=True):
-    """Raises a `TypeError` for a keyword that looks meant for an option.
-
-    Stock `keras.Model` accepts and ignores unknown keywords for a functional
-    model, so `gradient_accumulation=4` or (`other_libraries`) `accum_steps=4`
-    would train with no accumulation and no word. Other unknown keywords go to
-    Keras as they would for stock.
-    """
-    misspelled = [
-        name for name in kwargs
-        if name not in _KERAS_ARGUMENTS and _meant_option(name, other_libraries) is not None
-    ]
-    if misspelled:
-        raise TypeError(
-            f"{cls_name} got unexpected keyword arguments {misspelled}{_closest(misspelled)}: "
-            f"they are not options, and would be ignored. The options are "
-            f"{sorted(_OPTION_DEFAULTS)}. Received: "
-            + ", ".join(f"{name}={kwargs[name]!r}" for name in misspelled)
-        )
-
-
-def _validate_options(
-    gradient_accumulation_steps,
-    global_clipnorm,
-    clipnorm,
-    clipvalue,
-    skip_nonfinite,
-    log_update_stats,
-    accumulation_dtype=None,
-    assigned=None,
-):
-    """The options, checked and normalized.
-
-    `assigned` names the option being assigned after construction, if any:
-    a clipping conflict then says how to switch modes.
-    """
-    steps = _validate.integer_at_least(
-        "gradient_accumulation_steps", gradient_accumulation_steps
-    )
-    clips = {
-        "global_clipnorm": global_clipnorm,
-        "clipnorm": clipnorm,
-        "clipvalue": clipvalue,
-    }
-    for name, value in clips.items():
-        if value is None:
-            continue
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not value > 0
-            or value == float("inf")
-        ):
-            raise ValueError(
-                f"`{name}` must be a finite number > 0 or None. "
-                f"Received: {name}={value!r}"
-            )
-    given = {name: value for name, value in clips.items() if value is not None}
-    if len(given) > 1:
-        received = ", ".join(f"{name}={value!r}" for name, value in clips.items())
-        switch = ""
-        if assigned in given:
-            others = " and ".join(f"model.{n} = None" for n in given if n != assigned)
-            switch = (
-                f". To switch to `{assigned}`, first set the mode in use to None "
-                f"({others}), then assign {assigned}"
-            )
-        raise ValueError(
-            "Only one of `global_clipnorm`, `clipnorm` and `clipvalue` can be "
-            f"set. Received: {received}{switch}"
-        )
-    for name, value in (
-        ("skip_nonfinite", skip_nonfinite),
-        ("log_update_stats", log_update_stats),
-    ):
-        if not isinstance(value, bool):
-            raise ValueError(
-                f"`{name}` must be True or False. Received: {name}={value!r}"
-            )
-    return {
-        "gradient_accumulation_steps": int(steps),
-        **{name: None if v is None else float(v) for name, v in clips.items()},
-        "skip_nonfinite": skip_nonfinite,
-        "log_update_stats": log_update_stats,
-        "accumulation_dtype": _validate_accumulation_dtype(accumulation_dtype),
-    }
-
-
-_ACCUMULATION_DTYPES = ("bfloat16", "float32", "float64")
-
-
-def _validate_accumulation_dtype(value):
-    """None, or the standardized name of a floating dtype the sums can be kept in."""
-    if value is None:
-        return None
-    try:
-        dtype = keras.backend.standardize_dtype(value)
-    except (TypeError, ValueError, AttributeError):
-        dtype = None
-    if dtype == "float16":
-        raise ValueError(
-            "`accumulation_dtype` cannot be 'float16': the sums hold a group's summed "
-            "gradient (before it is divided by the group's loss denominator), which "
-            "can pass float16's largest value, 65504. Received: "
-            f"accumulation_dtype={value!r}. Use 'bfloat16' (float32's range, half "
-            "its bytes) or None."
-        )
-    if dtype not in _ACCUMULATION_DTYPES:
-        raise ValueError(
-            "`accumulation_dtype` must be None or one of "
-            f"{', '.join(repr(d) for d in _ACCUMULATION_DTYPES)}. "
-            f"Received: accumulation_dtype={value!r}"
-        )
-    if dtype == "float64" and on_jax():
-        import jax  # the backend in use: imported by Keras already
-
-        if not jax.config.jax_enable_x64:
-            raise ValueError(
-                "`accumulation_dtype='float64'` needs 64-bit types, which JAX has "
-                "off: its sums would be float32. Call "
-                "`jax.config.update('jax_enable_x64', True)` before building the "
-                "model, or pass accumulation_dtype=None or 'float32'."
-            )
-    return dtype
-
-
-def _check_optimizer(optimizer):
-    inner = getattr(optimizer, "inner_optimizer", None)
-    for candidate in (optimizer, inner):
-        if candidate is None:
-            continue
-        reasons = _OPTIMIZER_OPTIONS.get(keras.backend.backend(), _OPTIMIZER_OPTIONS["tensorflow"])
-        for name, why in reasons.items():
-            value = getattr(candidate, name, None)
-            if value is not None:
-                raise ValueError(
-                    f"The optimizer passed to SafeDistributedModel.compile() "
-                    f"sets `{name}={value!r}`, which {why}. Pass `{name}` to "
-                    f"SafeDistributedModel(...) instead and leave it unset on "
-                    f"the optimizer. Received optimizer: {candidate.name}"
-                )
 
 
 def _model_graph(model, input_shape):

@@ -7,6 +7,8 @@
 - `statistics`: the statistics' names and descriptions, shared by the step, the
   `Dashboard` and `report` (no TensorFlow, no Keras);
 - `_progbar`: Keras's progress bar without the statistics.
+- `options`: `SafeDistributedModel`'s options, their defaults and checks (a
+  misspelled option or an optimizer's own clipping refused).
 
 Each backend's step (`backend/tensorflow/_update.py`, `backend/jax/_update.py`)
 applies this rule. Importing the folder imports nothing else.
