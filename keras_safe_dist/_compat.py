@@ -4,10 +4,10 @@ Private Keras APIs are used here and in each backend's own compatibility
 module (`backend/tensorflow/_compat.py`, `backend/jax/_compat.py`, which
 import that backend's library and so live in its folder), nowhere else
 (`tests/test_layout.py` checks that no other module imports `keras.src`,
-`tensorflow.python` or `jax._src`). Every name used is checked by `tests/test_compat.py` (and, for JAX,
-`tests_jax/test_compat.py`), so a Keras release that renames or changes one
-fails those tests loudly instead of breaking training silently. This module
-imports neither TensorFlow nor jax.
+`tensorflow.python` or `jax._src`). Every name used is checked by
+`tests/test_compat.py` (and, for JAX, `tests_jax/test_compat.py`), so a Keras
+release that renames or changes one fails those tests loudly instead of
+breaking training silently. This module imports neither TensorFlow nor jax.
 """
 
 import contextlib
