@@ -51,11 +51,7 @@ def validate(
     steps = _validate.integer_at_least(
         "gradient_accumulation_steps", gradient_accumulation_steps
     )
-    clips = {
-        "global_clipnorm": global_clipnorm,
-        "clipnorm": clipnorm,
-        "clipvalue": clipvalue,
-    }
+    clips = dict(zip(CLIPPING, (global_clipnorm, clipnorm, clipvalue)))
     for name, value in clips.items():
         if value is None:
             continue
