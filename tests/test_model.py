@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from keras_safe_dist import SafeDistributedFunctional
 from keras_safe_dist import SafeDistributedModel
-from keras_safe_dist.model import _EpochBoundary
+from keras_safe_dist.model._callbacks import EpochBoundary
 
 from conftest import regression_data
 from conftest import strategy_for
@@ -284,7 +284,7 @@ def test_logs_report_grad_norm_clip_rate_skips_and_samples(replicas):
 def test_callback_overrides_no_batch_hook():
     # A batch hook would make Keras sync with the host after every batch.
     for hook in ("on_train_batch_begin", "on_train_batch_end", "on_batch_end"):
-        assert getattr(_EpochBoundary, hook) is getattr(keras.callbacks.Callback, hook)
+        assert getattr(EpochBoundary, hook) is getattr(keras.callbacks.Callback, hook)
 
 
 def test_user_callbacks_still_run_and_see_logs():

@@ -34,7 +34,7 @@ class SafeModel:
     """The mark of keras_safe_dist's model classes (`SafeDistributedModel` inherits it).
 
     It adds no state and no behaviour: it lets the audits, the callbacks and
-    the backends ask `is_safe_model(model)` without importing `model.py`.
+    the backends ask `is_safe_model(model)` without importing `model/`.
     """
 
 

@@ -13,7 +13,7 @@ The accumulation state lives in `keras.Variable`s that Keras threads through
 its jitted step with the metrics' variables (`metrics_variables` lists them
 after the metrics'). What does not depend on the backend (the options, the
 loss numerator/denominator rule in `_loss`, the epoch boundary) is in
-keras_safe_dist/model.py; TensorFlow's step is in
+keras_safe_dist/model/; TensorFlow's step is in
 keras_safe_dist/backend/tensorflow/trainer.py.
 """
 

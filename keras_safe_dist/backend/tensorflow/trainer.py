@@ -5,7 +5,7 @@ micro-batch (`_step`), and the `TensorFlowUpdateEngine` (`_update.py`, beside th
 accumulates, all-reduces once per update, clips and applies. What does not
 depend on the backend (the options, their validation, the loss
 numerator/denominator rule in `_loss`, the epoch boundary) is in
-keras_safe_dist/model.py; JAX's step is in keras_safe_dist/backend/jax/trainer.py.
+keras_safe_dist/model/; JAX's step is in keras_safe_dist/backend/jax/trainer.py.
 """
 
 import contextlib

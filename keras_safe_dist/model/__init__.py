@@ -1,6 +1,5 @@
 """`SafeDistributedModel`: exact gradient accumulation and clipping, under tf.distribute or keras.distribution."""
 
-import inspect
 import warnings
 
 import keras
@@ -8,12 +7,10 @@ import keras
 from keras_safe_dist import _compat
 from keras_safe_dist import nan
 from keras_safe_dist.core import SafeModel
-from keras_safe_dist.core import _generators
-from keras_safe_dist.core import _lazy
-from keras_safe_dist.core import _validate
-from keras_safe_dist.core import _warnings
 from keras_safe_dist.core import creation_site
-from keras_safe_dist.core import on_jax
+from keras_safe_dist.model import _arguments
+from keras_safe_dist.model import _callbacks
+from keras_safe_dist.model import _from_model
 from keras_safe_dist.nan import rows as _nan_rows
 from keras_safe_dist.nan.link import DetectorLink
 from keras_safe_dist.scale_out import distributed
@@ -341,17 +338,17 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 f"{_options.closest(unknown)}. It takes `input_shape` and the options "
                 f"{sorted(_options.DEFAULTS)}."
             )
-        _refuse_overridden_steps(model)
+        _from_model.refuse_overridden_steps(model)
         if isinstance(model, SafeDistributedModel):
             # Its options are kept unless given; a clipping mode given replaces its own.
             kept = dict(model.__dict__.get("_safe_dist_options", _options.DEFAULTS))
             if any(options.get(name) is not None for name in _options.CLIPPING):
                 kept.update(dict.fromkeys(_options.CLIPPING))
             options = {**kept, **options}
-        inputs, outputs = _model_graph(model, input_shape)
+        inputs, outputs = _from_model.model_graph(model, input_shape)
         wrapped = cls(inputs=inputs, outputs=outputs, name=model.name, **options)
         wrapped._check_placement("SafeDistributedModel.from_model()")
-        _warn_if_saved_twice(model, wrapped)
+        _from_model.warn_if_saved_twice(model, wrapped)
         return wrapped
 
     def compile(self, *args, **kwargs):
@@ -481,16 +478,16 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         """
         self._check_has_optimizer("fit")
         strategy = distributed.strategy_of(self)
-        _check_batch_sizes("fit", args, kwargs, ("batch_size", "validation_batch_size"))
-        x = _argument("fit", "x", args, kwargs)
-        _check_has_samples("fit", x, strategy)
-        validation = _argument("fit", "validation_data", args, kwargs)
+        _arguments.check_batch_sizes("fit", args, kwargs, ("batch_size", "validation_batch_size"))
+        x = _arguments.given("fit", "x", args, kwargs)
+        _arguments.check_has_samples("fit", x, strategy)
+        validation = _arguments.given("fit", "validation_data", args, kwargs)
         if isinstance(validation, (tuple, list)) and validation:
             validation = validation[0]
         if validation is not None:
-            _check_has_samples("fit", validation, strategy, argument="validation_data")
-        self._check_fit_data(x, _argument("fit", "batch_size", args, kwargs))
-        position = _POSITIONS["fit"]["callbacks"]
+            _arguments.check_has_samples("fit", validation, strategy, argument="validation_data")
+        self._check_fit_data(x, _arguments.given("fit", "batch_size", args, kwargs))
+        position = _arguments.POSITIONS["fit"]["callbacks"]
         args = list(args)
         if len(args) > position:
             args[position] = self._with_epoch_callback(args[position])
@@ -501,10 +498,10 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         # For MultiWorkerBackupAndRestore: a resumed run that shuffles arrays
         # draws a new order for the remaining epochs.
         shuffle = kwargs.get("shuffle", True)
-        if len(args) > _POSITIONS["fit"]["shuffle"]:
-            shuffle = args[_POSITIONS["fit"]["shuffle"]]
+        if len(args) > _arguments.POSITIONS["fit"]["shuffle"]:
+            shuffle = args[_arguments.POSITIONS["fit"]["shuffle"]]
         self.__dict__["_fit_shuffles"] = bool(shuffle) and self._nan_link.fit_arrays is not None
-        args, kwargs = _fresh_batches(keras.Model.fit, args, kwargs, ("x", "validation_data"))
+        args, kwargs = _arguments.fresh_batches(keras.Model.fit, args, kwargs, ("x", "validation_data"))
         try:
             return super().fit(*args, **kwargs)
         finally:
@@ -531,11 +528,11 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 raises a bare `StopIteration` on JAX; or when `batch_size`
                 is not None or an integer >= 1.
         """
-        _check_batch_sizes("evaluate", args, kwargs, ("batch_size",))
-        _check_has_samples(
-            "evaluate", _argument("evaluate", "x", args, kwargs), distributed.strategy_of(self)
+        _arguments.check_batch_sizes("evaluate", args, kwargs, ("batch_size",))
+        _arguments.check_has_samples(
+            "evaluate", _arguments.given("evaluate", "x", args, kwargs), distributed.strategy_of(self)
         )
-        args, kwargs = _fresh_batches(keras.Model.evaluate, args, kwargs, ("x",))
+        args, kwargs = _arguments.fresh_batches(keras.Model.evaluate, args, kwargs, ("x",))
         return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
@@ -558,11 +555,11 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 ('batch_outputs'); or when `batch_size` is not None or an
                 integer >= 1.
         """
-        _check_batch_sizes("predict", args, kwargs, ("batch_size",))
-        _check_has_samples(
-            "predict", _argument("predict", "x", args, kwargs), distributed.strategy_of(self)
+        _arguments.check_batch_sizes("predict", args, kwargs, ("batch_size",))
+        _arguments.check_has_samples(
+            "predict", _arguments.given("predict", "x", args, kwargs), distributed.strategy_of(self)
         )
-        args, kwargs = _fresh_batches(keras.Model.predict, args, kwargs, ("x",))
+        args, kwargs = _arguments.fresh_batches(keras.Model.predict, args, kwargs, ("x",))
         return super().predict(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
@@ -592,7 +589,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         # Before Keras builds its callback list: a detector whose record the
         # step keeps reads no step's logs, and Keras's batch hooks stay asynchronous.
         nan.record_in_step(callbacks, self._nan_probe_request is not None and self._watches_nan_in_step())
-        self._stats_requested = self.log_update_stats or _requests_update_stats(
+        self._stats_requested = self.log_update_stats or _callbacks.requests_update_stats(
             callbacks
         )
 
@@ -609,7 +606,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                     f"an instance, e.g. callbacks=[{classes[0]}()]."
                 )
         self._set_requests(callbacks)
-        callback = _EpochBoundary()
+        callback = _callbacks.EpochBoundary()
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callback.set_model(self)
             callback.set_params(callbacks.params)
@@ -654,287 +651,6 @@ def _copy_options(model, clone):
 
 
 _compat.copy_options_on_clone(_copy_options)
-
-
-class _EpochBoundary(keras.callbacks.Callback):
-    """Resets per-fit and per-epoch counters.
-
-    With a known number of steps the last micro-batch of an epoch already
-    applies its partial group in-graph; the rest (an epoch of unknown length,
-    or one stopped early) is applied when Keras collects the epoch's logs,
-    before validation (`SafeDistributedModel._end_epoch_steps`), or at the
-    latest here. It overrides no batch hook, so Keras keeps dispatching
-    batches asynchronously.
-    """
-
-    def on_train_begin(self, logs=None):
-        self.model._update_engine.begin_fit()
-        self.warned = False
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.model._update_engine.begin_epoch(self.params.get("steps"))
-
-    def on_epoch_end(self, epoch, logs=None):
-        model = self.model
-        engine = model._update_engine
-        if engine.end_epoch() and logs is not None and model._stats_logged:
-            logs.update(
-                {name: float(value) for name, value in engine.logs().items()}
-            )
-        # Loss-scale overflows are routine; a NaNOnsetDetector reports skips
-        # itself. Otherwise one small read per epoch.
-        if (
-            self.warned
-            or not model.skip_nonfinite
-            or engine.loss_scale is not None
-            or model._nan_link.probe is not None
-            or engine.watch is not None  # JAX's detector
-        ):
-            return
-        first = engine.first_skip()
-        if first is not None:
-            self.warned = True
-            _warnings.warn(_skip_message(epoch, *first, engine.steps))
-
-
-def _skip_message(epoch, update, samples, steps):
-    if steps == 1:
-        where = f"batch {update}"
-    else:
-        first = update * steps
-        where = f"update {update} (micro-batches {first} to {first + steps - 1})"
-    return (
-        f"SafeDistributedModel skipped a non-finite update at epoch {epoch}, "
-        f"{where}: the gradient or loss of its {samples} samples was NaN or "
-        "infinite, so they did not change the weights. Further skips in this "
-        "fit() are counted without a warning (`skipped_updates` with "
-        "`log_update_stats=True`). To find where the non-finite value began, "
-        "add keras_safe_dist.callbacks.NaNOnsetDetector() to fit()'s callbacks."
-    )
-
-
-# Where each argument of keras.Model's fit, evaluate and predict is, without
-# `self`: read once, not at each call (inspect.signature takes ~100 µs).
-_POSITIONS = {
-    method.__name__: {
-        name: index for index, name in enumerate(list(inspect.signature(method).parameters)[1:])
-    }
-    for method in (keras.Model.fit, keras.Model.evaluate, keras.Model.predict)
-}
-
-
-# What a wrapped model's class could change in training that from_model() would drop.
-_STEP_METHODS = ("compute_loss", "train_step", "test_step")
-
-
-def _refuse_overridden_steps(model):
-    """Raises a `TypeError` when `model`'s own class changes the step or the loss."""
-    for klass in type(model).__mro__:
-        if klass.__module__.split(".")[0] in ("keras", "keras_safe_dist", "builtins"):
-            continue
-        overridden = [name for name in _STEP_METHODS if name in vars(klass)]
-        if overridden:
-            raise TypeError(
-                f"SafeDistributedModel.from_model() copies the layers of model "
-                f"'{model.name}', not its class, and {klass.__name__} overrides "
-                f"{', '.join(f'`{name}`' for name in overridden)}: the wrapped model would "
-                "train without it. Mix SafeDistributedModel into that class instead, "
-                f"`class Safe{klass.__name__}(SafeDistributedModel, {klass.__name__})`, "
-                "and build the model from it (docs/model.md)."
-            )
-
-
-def _warn_if_saved_twice(model, wrapped):
-    """Warns when a layer of `wrapped` is also inside another of its layers (tied weights).
-
-    Keras saves such a layer's variables once, at the first place it meets
-    it, and loading then finds none at the other (keras-hub's causal LMs
-    call their backbone's token embedding again for the logits): the result
-    trains, but a file it saves cannot be loaded, as with
-    `keras.Model(model.inputs, model.outputs)` in stock Keras.
-    """
-    top = list(wrapped.layers)
-    nested = {}
-    for layer in top:
-        for inner in _compat.flatten_layers(layer):
-            nested.setdefault(id(inner), layer)
-    for layer in top:
-        outer = nested.get(id(layer))
-        if outer is None or outer is layer or not layer.weights:
-            continue  # input layers are shared with a nested model, and have no variables
-        klass = type(model).__name__
-        warnings.warn(
-            f"SafeDistributedModel.from_model({klass}): layer {layer.name!r} is called by "
-            f"the model and also inside its layer {outer.name!r} (tied weights). The result "
-            "trains and predicts as the model does, but a .keras file it saves cannot be "
-            f"loaded: Keras saves {layer.name!r}'s variables once and finds none for it at "
-            f"the other place (stock keras.Model(inputs, outputs) does the same). To save "
-            f"and load, mix SafeDistributedModel into the class instead: `class "
-            f"Safe{klass}(SafeDistributedModel, {klass})`.",
-            stacklevel=3,
-        )
-        return
-
-
-def _model_graph(model, input_shape):
-    """`(inputs, outputs)` of a Sequential or functional `model`, built if needed."""
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "SafeDistributedModel.from_model() takes a keras.Model (a Sequential "
-            f"or functional model). Received: {type(model).__name__} {model!r}"
-        )
-    if input_shape is not None and (
-        not isinstance(input_shape, (tuple, list))
-        or not all(d is None or _validate.is_integer_at_least(d, 1) for d in input_shape)
-    ):
-        raise TypeError(
-            "SafeDistributedModel.from_model()'s `input_shape` is the shape of one "
-            "sample, a tuple of positive integers (None for a dimension of any "
-            f"size). Received: input_shape={input_shape!r}. For samples of 8 "
-            "features pass input_shape=(8,)."
-        )
-    if isinstance(model, keras.Sequential) and input_shape is not None:
-        shape = (None, *tuple(input_shape))
-        if not model.built or not _has_inputs(model):
-            model.build(shape)
-        built = tuple(model.inputs[0].shape)
-        if len(built) != len(shape) or any(
-            a is not None and b is not None and a != b for a, b in zip(built, shape)
-        ):
-            raise ValueError(
-                f"`input_shape` must match the shape model '{model.name}' was "
-                f"built with, {built[1:]} per sample. Received: "
-                f"input_shape={tuple(input_shape)}"
-            )
-    if isinstance(model, keras.Sequential) and not _has_inputs(model):
-        raise ValueError(
-            f"SafeDistributedModel.from_model() needs the input shape of "
-            f"Sequential model '{model.name}', which has no `Input` and was "
-            "never built. Pass the shape of one sample, e.g. "
-            "`SafeDistributedModel.from_model(model, input_shape=(8,))`, start "
-            "the Sequential with `keras.Input((8,))`, or call "
-            "`model.build((None, 8))` first."
-        )
-    inputs = _has_inputs(model) and model.inputs
-    outputs = inputs and model.outputs
-    if not inputs or not outputs:
-        raise TypeError(
-            "SafeDistributedModel.from_model() takes a Sequential or functional "
-            "model, whose inputs and outputs it reuses. Received: a subclassed "
-            f"model of class {type(model).__name__}, which has none. Subclass "
-            "SafeDistributedModel instead of keras.Model (its `call()` stays "
-            "the same)."
-        )
-    return inputs, outputs
-
-
-def _has_inputs(model):
-    """Whether `model` has symbolic inputs (a Sequential gets them when built)."""
-    try:
-        return bool(model.inputs)
-    except AttributeError:
-        return False
-
-
-def _check_batch_sizes(method, args, kwargs, names):
-    """Raises a `ValueError` for a batch size that is neither None nor an integer >= 1.
-
-    Stock Keras takes `batch_size=0` as no batch size (32 samples a batch),
-    and fails on a negative one with a bare `StopIteration`.
-    """
-    for name in names:
-        value = _argument(method, name, args, kwargs)
-        if value is None or _validate.is_integer_at_least(value, 1):
-            continue
-        raise ValueError(
-            f"SafeDistributedModel.{method}()'s `{name}` must be an integer >= 1 (samples "
-            f"per micro-batch), or None for Keras's default. Received: {name}={value!r}"
-            + (
-                " (stock Keras would take 0 as None: 32 samples a batch)"
-                if _validate.is_integer_at_least(value, 0)
-                else ""
-            )
-        )
-
-
-def _argument(method, name, args, kwargs):
-    """The `name` argument of `keras.Model.<method>` as received, or None."""
-    if name in kwargs:
-        return kwargs[name]
-    position = _POSITIONS[method][name]
-    return args[position] if len(args) > position else None
-
-
-def _fresh_batches(method, args, kwargs, names):
-    """`args, kwargs` of `method`, its `names` arguments that are generators or
-    `PyDataset`s copying their batches' NumPy arrays (see `core/_generators.py`)."""
-    args = list(args)
-    for name in names:
-        if name in kwargs:
-            kwargs[name] = _generators.fresh_batches(kwargs[name])
-            continue
-        position = _POSITIONS[method.__name__][name]
-        if len(args) > position:
-            args[position] = _generators.fresh_batches(args[position])
-    return args, kwargs
-
-
-def _check_has_samples(method, x, strategy, argument="x"):
-    """Raises when `x` (given as `argument`) is known, before any step, to hold no samples.
-
-    Stock Keras 3.15 then returns an empty History (or list) on TensorFlow,
-    raises a bare `StopIteration` on JAX, and fails in `predict()`; for
-    `validation_data` it raises after the epoch's steps. Datasets of unknown
-    length and generators are not read ahead. With several JAX processes, one
-    process may hold no samples while others do: the processes check the
-    global batch together (backend/jax/_process_batch.py); so may a
-    MultiWorkerMirroredStrategy worker.
-    """
-    if on_jax() and distributed.jax_process()[1] > 1:
-        return
-    if strategy is not None and distributed.worker_name(strategy) != "chief":
-        # Several MultiWorkerMirroredStrategy workers: one worker's own data may
-        # hold no samples while another's does (it contributes empty shares).
-        return
-    # A tf.data.Dataset only where TensorFlow was imported (a JAX user has none).
-    if _lazy.loaded("tensorflow") and isinstance(x, _lazy.tensorflow.data.Dataset):
-        if int(x.cardinality()) != 0:
-            return
-        received = "a tf.data.Dataset of cardinality 0 (from .take(0), or a dataset built empty)"
-    elif isinstance(x, keras.utils.PyDataset):
-        if x.num_batches != 0:  # None: endless
-            return
-        received = f"a {type(x).__name__} (a keras.utils.PyDataset) of 0 batches"
-    else:
-        shapes = [
-            tuple(t.shape) for t in keras.tree.flatten(x)
-            if getattr(t, "shape", None) is not None and len(t.shape) > 0
-        ]
-        if not shapes or shapes[0][0] != 0:
-            return
-        received = f"{argument} of shape {shapes[0]}"
-    if argument == "validation_data":
-        purpose, stock = "validate on", "fails after the epoch's steps"
-    else:
-        purpose = {"fit": "train on", "evaluate": "evaluate", "predict": "predict"}[method]
-        stock = (
-            "fails with an UnboundLocalError" if method == "predict"
-            else "returns an empty result on TensorFlow and raises a bare StopIteration on JAX"
-        )
-    raise ValueError(
-        f"SafeDistributedModel.{method}() received {argument} that holds no samples, so "
-        f"there is nothing to {purpose} (stock Keras {stock}). Received: "
-        f"{received}. Pass data with at least one sample."
-    )
-
-
-def _requests_update_stats(callbacks):
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    return any(
-        getattr(callback, "requests_update_stats", False) is True
-        for callback in keras.tree.flatten(callbacks or [])
-    )
 
 
 def _make_functional(cls):
