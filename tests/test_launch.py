@@ -301,7 +301,9 @@ def test_the_open_file_limit_bounds_the_worker_count(monkeypatch):
 
     monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 256))
     most, reason = launch_module.max_workers()
-    assert most == 256 - launch_module._open_files() - 32
+    from keras_safe_dist.scale_out import _cluster
+
+    assert most == 256 - _cluster._open_files() - 32
     assert reason.startswith("this process may open 256 files (ulimit -n)")
     with pytest.raises(ValueError, match=r"or raise the limit \(ulimit -n\)\.$"):
         WorkerGroup(__file__, workers=most + 1)

@@ -24,15 +24,18 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 
-from keras_safe_dist.core import _json
 from keras_safe_dist.scale_out import _reaper
+from keras_safe_dist.scale_out._cluster import free_ports
+from keras_safe_dist.scale_out._cluster import jax_env
+from keras_safe_dist.scale_out._cluster import max_workers
+from keras_safe_dist.scale_out._cluster import port_in_use
+from keras_safe_dist.scale_out._cluster import tf_config
 
 __all__ = [
     "BACKENDS", "WorkerGroup", "free_ports", "jax_env", "launch", "max_workers", "shell_status",
@@ -40,10 +43,6 @@ __all__ = [
 ]
 
 _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
-
-# Files the launcher may open besides one per worker (its reader threads,
-# Popen's own pipes, the watcher's pipe).
-_SPARE_FILES = 32
 
 # What a worker prints when its port was taken: TensorFlow's gRPC server, or
 # the errno text of a plain bind.
@@ -64,164 +63,7 @@ def _bind_failure(text, port):
     return _ADDRESS_IN_USE in text and re.search(rf"(?<!\d){port}(?!\d)", text) is not None
 
 
-def max_workers():
-    """The most local workers this process can start, and what limits them.
-
-    Each worker holds a TCP port on 127.0.0.1 (the kernel hands out those of
-    its ephemeral range) and an open file in the launcher (its output pipe;
-    a socket while the ports are chosen).
-
-    Returns:
-        `(count, reason)`: an int, and a str saying what limits it.
-
-    Example:
-
-    ```python
-    count, reason = max_workers()  # e.g. (19953, "this process may open 20000 files ...")
-    ```
-    """
-    ports = _ephemeral_ports()
-    limits = [(ports, f"the kernel hands out {ports} ports on 127.0.0.1 and each worker needs one")]
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return limits[0]
-    files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if files != resource.RLIM_INFINITY:
-        used = _open_files()
-        limits.append((
-            max(files - used - _SPARE_FILES, 0),
-            f"this process may open {files} files (ulimit -n), {used} are open, and "
-            "each worker needs one (its output pipe) besides a few for the launcher",
-        ))
-    return min(limits)
-
-
-def _ephemeral_ports():
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(n) for n in f.read().split())
-        return high - low + 1
-    except (OSError, ValueError):
-        return 65535 - 49152 + 1  # the IANA range
-
-
-def _open_files():
-    for folder in ("/proc/self/fd", "/dev/fd"):
-        try:
-            return len(os.listdir(folder))
-        except OSError:
-            continue
-    return 0
-
-
-def _port_in_use(port):
-    """Whether another socket holds `port` on 127.0.0.1 (binding it fails)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
-def free_ports(count):
-    """`count` distinct TCP ports that are free on 127.0.0.1 right now.
-
-    The ports are found by binding `count` sockets at once, then closing
-    them: another process may take one before the caller binds it.
-
-    Args:
-        count: how many ports.
-
-    Returns:
-        A list of `count` distinct port numbers (int).
-
-    Raises:
-        OSError: when a socket cannot be created or bound on 127.0.0.1
-            (e.g. no IPv4 on the machine).
-
-    Example:
-
-    ```python
-    ports = free_ports(2)  # e.g. [41377, 35521]
-    ```
-    """
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def jax_env(ports, index):
-    """The environment of process `index` among local JAX processes.
-
-    Keras's own variables, which `keras.distribution.initialize()` and
-    `keras_safe_dist.initialize()` read: the coordinator is process 0 at
-    127.0.0.1. CPU devices exchange data over gloo (jax has no CPU
-    collectives by default); accelerators keep their own.
-
-    Args:
-        ports: one port per process; process 0's is the coordinator's.
-        index: this process's index.
-
-    Returns:
-        A dict of environment variables.
-
-    Example:
-
-    ```python
-    jax_env([12345, 12346], index=1)
-    # {"KERAS_BACKEND": "jax",
-    #  "KERAS_DISTRIBUTION_JOB_ADDRESSES": "127.0.0.1:12345,127.0.0.1:12346",
-    #  "KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": "1",
-    #  "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"}
-    ```
-    """
-    return {
-        "KERAS_BACKEND": "jax",
-        "KERAS_DISTRIBUTION_JOB_ADDRESSES": ",".join(f"127.0.0.1:{port}" for port in ports),
-        "KERAS_DISTRIBUTION_NUM_PROCESSES": str(len(ports)),
-        "KERAS_DISTRIBUTION_PROCESS_ID": str(index),
-        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-    }
-
-
 BACKENDS = ("tensorflow", "jax")
-
-
-def tf_config(ports, index):
-    """The `TF_CONFIG` of worker `index` in a cluster of local workers.
-
-    Args:
-        ports: one port per worker; worker `i` listens at
-            `127.0.0.1:ports[i]`.
-        index: this worker's index in `ports`.
-
-    Returns:
-        The JSON text for the `TF_CONFIG` environment variable.
-
-    Example:
-
-    ```python
-    os.environ["TF_CONFIG"] = tf_config([12345, 12346], index=1)
-    # {"cluster": {"worker": ["127.0.0.1:12345", "127.0.0.1:12346"]},
-    #  "task": {"type": "worker", "index": 1}}
-    ```
-    """
-    return _json.dumps(
-        {
-            "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
-            "task": {"type": "worker", "index": index},
-        }
-    )
 
 
 class WorkerGroup:
@@ -376,7 +218,7 @@ class WorkerGroup:
         for index, process in enumerate(self.processes):
             if process.poll() in (None, 0) or index >= len(self.ports):
                 continue
-            if index in self._bind_failed or _port_in_use(self.ports[index]):
+            if index in self._bind_failed or port_in_use(self.ports[index]):
                 return index, self.ports[index]
         return None
 
