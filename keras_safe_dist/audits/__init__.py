@@ -2,13 +2,13 @@
 
 import keras
 
+from keras_safe_dist.audits._creation import CreationWatch
+from keras_safe_dist.audits._creation import created_at
 from keras_safe_dist.audits.aggregation import aggregation_findings
 from keras_safe_dist.audits.jax_backend import layout_findings
 from keras_safe_dist.audits.jax_backend import not_applicable
-from keras_safe_dist.audits.scope import CreationWatch
 from keras_safe_dist.audits.scope import ScopeError
 from keras_safe_dist.audits.scope import check_scope
-from keras_safe_dist.audits.scope import created_at
 from keras_safe_dist.audits.scope import creation_site
 from keras_safe_dist.audits.scope import current_scope_findings
 from keras_safe_dist.audits.scope import scope_findings
