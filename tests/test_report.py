@@ -311,6 +311,32 @@ def test_every_runs_nan_onset_is_reported(tmp_path, capsys):
     assert data["counts"]["error"] == 2
 
 
+def test_labelled_findings_name_each_findings_audit_or_onset_in_the_order_of_findings(tmp_path):
+    from keras_safe_dist.findings import AuditReport
+    from keras_safe_dist.findings import Finding
+
+    jax_note = Finding.of("JAX001", "scope checks", "The scope checks have no meaning on JAX.", "Nothing to do.")
+    audits = {
+        "aggregation": [Finding.of("AGG003", "counter/count", "summed on every replica.", "Use MEAN."), jax_note],
+        "training_mode": [Finding.of("JAX001", "mode checks", "The mode checks ran.", "Nothing to do.")],
+    }
+    for name, findings in audits.items():
+        (tmp_path / f"audit_{name}.json").write_text(json.dumps(AuditReport(name, findings).to_dict()))
+    (tmp_path / "nan_onset.json").write_text(json.dumps(_onset(1, 3)))
+    (tmp_path / "second").mkdir()
+    (tmp_path / "second" / "nan_onset.json").write_text(json.dumps(_onset(0, 5)))
+    report = read_log_dir(tmp_path)
+    labelled = report.labelled_findings()
+    assert [(label, f.code, f.subject) for label, f in labelled] == [
+        ("aggregation", "AGG003", "counter/count"),
+        ("aggregation, training_mode", "JAX001", "the audits on JAX"),  # one row for both audits
+        ("nan onset", "NAN001", "epoch 1, batch 3"),
+        ("nan onset (second)", "NAN001", "epoch 0, batch 5"),
+    ]
+    assert [f for _, f in labelled] == report.findings()
+    assert "| aggregation, training_mode | JAX001 | info | the audits on JAX |" in format_text(report)
+
+
 def test_a_damaged_event_file_is_skipped_with_a_warning_and_earlier_values_kept(tmp_path, capsys):
     path = _write_scalars(tmp_path, "safe_distributed/skipped_updates", [0.0, 0.0, 3.0])
     intact = path.read_bytes()

@@ -3,8 +3,9 @@
 - `writer`: reports and counts written as TensorBoard text and scalar
   summaries and JSON files, from the chief only;
 - `_events`: TensorBoard's event files, written without TensorFlow;
-- `_log_dir`: `read_log_dir` and `format_text`, what `keras-safe-dist report`
-  prints;
+- `_log_dir`: `read_log_dir`, what `keras-safe-dist report` reads: the
+  reports and findings; `_statistics`: each run's update statistics, from its
+  event files; `_text`: `format_text`, what `report` prints;
 - `plot`: the picture `keras-safe-dist report --plot` draws (matplotlib).
 
 Example:
@@ -21,9 +22,9 @@ import importlib
 # public name: the private module that defines it, imported on first use
 _EXPORTS = {
     "LogDirReport": "_log_dir",
-    "RunStatistics": "_log_dir",
+    "RunStatistics": "_statistics",
     "UnreadableFile": "_log_dir",
-    "format_text": "_log_dir",
+    "format_text": "_text",
     "plot_report": "plot",
     "read_log_dir": "_log_dir",
 }

@@ -14,22 +14,13 @@ import dataclasses
 import json
 import os
 import stat
-import struct
-
-from google.protobuf.message import DecodeError
-from tensorboard.compat.proto import event_pb2
-from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as _masked_crc32c
-from tensorboard.util import tensor_util
 
 from keras_safe_dist.findings import SEVERITIES
 from keras_safe_dist.findings import AuditReport
 from keras_safe_dist.findings import Finding
-from keras_safe_dist.findings import markdown_row
-from keras_safe_dist.update.statistics import LOG_NAMES
-from keras_safe_dist.update.statistics import PREFIX
-from keras_safe_dist.update.statistics import RUN as DASHBOARD_RUN
+from keras_safe_dist.report import _statistics
 
-__all__ = ["LogDirReport", "RunStatistics", "UnreadableFile", "format_text", "read_log_dir"]
+__all__ = ["LogDirReport", "UnreadableFile", "nan_findings", "read_log_dir"]
 
 NAN_ONSET_FILE = "nan_onset.json"
 
@@ -53,49 +44,6 @@ class UnreadableFile:
 
     path: str
     problem: str
-
-
-@dataclasses.dataclass
-class RunStatistics:
-    """The update statistics one TensorBoard run logged, per epoch.
-
-    Args:
-        run: the run's folder, relative to the log directory (`.` for the
-            root).
-        values: `{statistic: [value per logged epoch]}`, or per logged
-            update when the run logged no epoch (it stopped in its first).
-        per: `"epoch"`, or `"update"` for the Dashboard's per-update points.
-        notes: what the reader noticed about the run's files (two writers
-            at once).
-
-    Example:
-
-    ```python
-    for run in read_log_dir("logs").runs:
-        print(run.run, run.summary()["grad_norm"]["max"])
-    ```
-    """
-
-    run: str
-    values: dict
-    per: str = "epoch"
-    notes: list = dataclasses.field(default_factory=list)
-
-    def summary(self):
-        """`{statistic: {"last", "max", "mean"}}` over the logged epochs (or updates).
-
-        Returns:
-            A dict: for each statistic, a dict of its last, largest and mean
-            value.
-        """
-        return {
-            name: {
-                "last": series[-1],
-                "max": max(series),
-                "mean": sum(series) / len(series),
-            }
-            for name, series in self.values.items()
-        }
 
 
 @dataclasses.dataclass
@@ -135,13 +83,21 @@ class LogDirReport:
         Returns:
             A list of `Finding`s, the audits' first, in the order read.
         """
-        findings = [f for _, f in _one_jax001(self._audit_findings())]
-        for _, onset in self.nan_onsets:
-            findings += _nan_findings(onset)
-        return findings
+        return [f for _, f in self.labelled_findings()]
 
-    def _audit_findings(self):
-        return [(audit.name, f) for audit in self.audits for f in audit.findings]
+    def labelled_findings(self):
+        """Each finding of `findings()` with where it comes from, in the same order.
+
+        Returns:
+            A list of `(label, Finding)`: the audit's name (the audits on
+            JAX share one `JAX001`, labelled with all their names), or
+            `"nan onset"` (`"nan onset (<run>)"` for a run in a subfolder).
+        """
+        pairs = _one_jax001([(audit.name, f) for audit in self.audits for f in audit.findings])
+        for run, onset in self.nan_onsets:
+            label = "nan onset" if run == "." else f"nan onset ({run})"
+            pairs += [(label, f) for f in nan_findings(onset)]
+        return pairs
 
     def failing(self, fail_on):
         """The findings of severity `fail_on` or worse.
@@ -261,34 +217,12 @@ def read_log_dir(log_dir):
                 events.append(path)
             else:
                 report.warnings.append(UnreadableFile(path, _NOT_REGULAR))
-        values, per, notes = _run_statistics(events, report.warnings)
+        values, per, notes, damaged = _statistics.run_statistics(events)
+        report.warnings += [UnreadableFile(path, problem) for path, problem in damaged]
         if values:
-            report.runs.append(RunStatistics(run, values, per, notes))
-    report.runs = _each_statistic_once(report.runs)
+            report.runs.append(_statistics.RunStatistics(run, values, per, notes))
+    report.runs = _statistics.each_statistic_once(report.runs)
     return report
-
-
-def _each_statistic_once(runs):
-    """Drops what a Dashboard run beside a run (Keras's `train`) already holds.
-
-    `Dashboard` and `keras.callbacks.TensorBoard` given the same log
-    directory log the same statistics, in sibling runs.
-    """
-    dashboards = {
-        os.path.dirname(r.run): r.values
-        for r in runs
-        if os.path.basename(r.run) == DASHBOARD_RUN
-    }
-    kept = []
-    for run in runs:
-        beside = dashboards.get(os.path.dirname(run.run))
-        if beside is not None and os.path.basename(run.run) != DASHBOARD_RUN:
-            run = dataclasses.replace(
-                run, values={k: v for k, v in run.values.items() if k not in beside}
-            )
-        if run.values:
-            kept.append(run)
-    return kept
 
 
 _NOT_REGULAR = "not a regular file (a FIFO, socket, device or folder), so not opened"
@@ -350,93 +284,8 @@ def _checked_onset(data):
             "a NaN onset report holds `epoch` and `batch` (integers) and `kind` "
             f"(a string); missing or wrong: {', '.join(wrong)}"
         )
-    _nan_findings(data)  # raises for a malformed stored finding
+    nan_findings(data)  # raises for a malformed stored finding
     return data
-
-
-def _run_statistics(paths, warnings):
-    """`(values, per, notes)` of one run's event files.
-
-    `values` is `{statistic: [value per logged epoch]}`; values of
-    `safe_distributed/<name>` (the Dashboard's) are preferred to
-    `epoch_<name>` (keras.callbacks.TensorBoard's) for the same statistic.
-    A run that logged no epoch (it stopped in its first) gives the
-    Dashboard's per-update points instead, with `per` `"update"`. `notes`
-    says when two files of the run were written at the same time (two runs
-    with one log directory and run name), whose points are then merged.
-    """
-    series = {}  # tag: [value, ...]
-    epoch_tags = {f"{PREFIX}/{n}" for n in LOG_NAMES} | {f"epoch_{n}" for n in LOG_NAMES}
-    update_tags = {f"{PREFIX}/update/{n}" for n in LOG_NAMES}
-    spans = []  # (first, last wall time, path) of each file with statistics
-    for path in paths:
-        times = []
-        try:
-            for event in _events(path):
-                for value in event.summary.value:
-                    if value.tag in epoch_tags or value.tag in update_tags:
-                        series.setdefault(value.tag, []).append(_scalar(value))
-                        times.append(event.wall_time)
-        except (OSError, ValueError, DecodeError) as error:
-            warnings.append(UnreadableFile(path, f"event file damaged, read up to it: {error}"))
-        if times:
-            spans.append((min(times), max(times), path))
-    values, per = {}, "epoch"
-    for name in LOG_NAMES:
-        for tag in (f"{PREFIX}/{name}", f"epoch_{name}"):
-            if tag in series:
-                values[name] = series[tag]
-                break
-    if not values:
-        per = "update"
-        values = {n: series[f"{PREFIX}/update/{n}"] for n in LOG_NAMES if f"{PREFIX}/update/{n}" in series}
-    notes = []
-    spans.sort()
-    latest = None  # (end, path) of the file written last among those before
-    for start, end, path in spans:
-        if latest is not None and start < latest[0]:
-            notes.append(
-                f"two writers overlapped: {os.path.basename(latest[1])} and "
-                f"{os.path.basename(path)} were written at the same time (two runs with "
-                "one log directory and run name?); their points are merged"
-            )
-        if latest is None or end > latest[0]:
-            latest = (end, path)
-    return values, per, notes
-
-
-def _events(path):
-    """The events of the event file `path`, each record's CRC-32Cs checked.
-
-    Read with `open()`, so that any name the file system holds is read
-    (TensorBoard's TensorFlow-free reader encodes the path as UTF-8, which a
-    folder named in another encoding is not). Raises `ValueError` at a
-    truncated or damaged record, after the events before it.
-    """
-    with open(path, "rb") as f:
-        while True:
-            offset = f.tell()
-            header = f.read(12)
-            if not header:
-                return
-            length_bytes = header[:8]
-            if len(header) < 12:
-                raise ValueError(f"{path}: record truncated at byte {offset} (header)")
-            if _masked_crc32c(length_bytes) != struct.unpack("<I", header[8:])[0]:
-                raise ValueError(f"{path}: record at byte {offset} failed its header crc32 check")
-            (length,) = struct.unpack("<Q", length_bytes)
-            data, crc = f.read(length), f.read(4)
-            if len(data) < length or len(crc) < 4:
-                raise ValueError(f"{path}: record truncated at byte {offset} (data)")
-            if _masked_crc32c(data) != struct.unpack("<I", crc)[0]:
-                raise ValueError(f"{path}: record at byte {offset} failed its data crc32 check")
-            yield event_pb2.Event.FromString(data)
-
-
-def _scalar(value):
-    if value.HasField("tensor"):
-        return float(tensor_util.make_ndarray(value.tensor))
-    return float(value.simple_value)
 
 
 def _one_jax001(pairs):
@@ -464,7 +313,7 @@ def _one_jax001(pairs):
     return result
 
 
-def _nan_findings(onset):
+def nan_findings(onset):
     """NAN001 for the onset, and NAN002 when training stopped on skips.
 
     Uses the findings `NaNOnsetDetector` stored in the report, or builds
@@ -494,95 +343,3 @@ def _nan_finding(onset):
     )
 
 
-def format_text(report, fail_on="error"):
-    """The report as the text `keras-safe-dist report` prints.
-
-    Sections: the findings as a markdown table, the NaN onsets, the update
-    statistics per run (last, max, mean), the unreadable files, and a last
-    line with the number of findings at or above `fail_on`.
-
-    Args:
-        report: a `LogDirReport`.
-        fail_on: `"error"`, `"warning"` or `"info"`.
-
-    Returns:
-        A str of several lines.
-
-    Raises:
-        ValueError: when `fail_on` is not one of those severities.
-
-    Example:
-
-    ```python
-    from keras_safe_dist.report import format_text, read_log_dir
-
-    print(format_text(read_log_dir("logs"), fail_on="warning"))
-    ```
-    """
-    data = report.to_dict(fail_on)
-    counts = ", ".join(f"{n} {sev}" for sev, n in data["counts"].items())
-    lines = [f"Log directory: {report.log_dir}", "", f"Findings ({counts}):"]
-    findings = _one_jax001(report._audit_findings())
-    for run, onset in report.nan_onsets:
-        label = "nan onset" if run == "." else f"nan onset ({run})"
-        findings += [(label, f) for f in _nan_findings(onset)]
-    if findings:
-        lines += [
-            "| audit | code | severity | subject | message | fix |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
-        for audit, f in findings:
-            lines.append(
-                markdown_row((audit, f.code, f.severity, f.subject, f.message, f.fix))
-            )
-    else:
-        lines.append(f"none ({len(report.audits)} audit reports read)")
-    lines += ["", "NaN onset:"]
-    if not report.nan_onsets:
-        lines.append("none recorded")
-    for run, onset in report.nan_onsets:
-        first = _nan_findings(onset)[0]
-        prefix = "" if len(report.nan_onsets) == 1 else f"[{run}] "
-        lines.append(prefix + (onset.get("summary") or f"{first.subject}: {first.message}"))
-    lines += ["", "Update statistics per run:"]
-    if report.runs:
-        lines += [
-            "| run | statistic | last | max | mean |",
-            "| --- | --- | ---: | ---: | ---: |",
-        ]
-        for run in report.runs:
-            for name, s in run.summary().items():
-                numbers = (_number(s[key]) for key in ("last", "max", "mean"))
-                lines.append(markdown_row((run.run, name, *numbers)))
-        for run in report.runs:
-            if run.per == "update":
-                lines.append(
-                    f"[{run.run}] per update: the run logged no epoch (it stopped in its "
-                    f"first); {max(len(v) for v in run.values.values())} update points."
-                )
-            lines += [f"[{run.run}] {note}." for note in run.notes]
-    elif report.audits or report.nan_onsets:
-        lines.append(
-            "none logged: the update statistics come from a SafeDistributedModel "
-            "(with a Dashboard, a NaNOnsetDetector or log_update_stats=True); a "
-            "stock keras.Model logs none. See SafeDistributedModel.from_model()."
-        )
-    else:
-        lines.append("none logged")
-    for title, problems in (("Unreadable reports", report.errors), ("Skipped", report.warnings)):
-        if problems:
-            lines += ["", f"{title}:"] + [f"- {p.path}: {p.problem}" for p in problems]
-    failing = report.failing(fail_on)
-    lines += [
-        "",
-        f"{len(failing)} finding(s) at or above '{fail_on}'"
-        + (": failing." if failing else "."),
-    ]
-    return "\n".join(lines)
-
-
-def _number(value):
-    """Counts as integers (`0`, not `0.0000e+00`), other values to 4 significant digits."""
-    if float(value).is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return f"{value:.4g}"
