@@ -489,7 +489,10 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             weights = self._nonfinite_weights()
         shares = {}
         if self._jax and onset is not None:
-            shares = self._locate_jax(report, logged, weights, previous, onset)
+            shares = _jax_locate().fill_report(
+                model, self._watch, report, logged, weights, previous, onset,
+                action=self.action, steps_read=self._steps_read,
+            )
         elif self._jax:
             report["kind"] = "weights"
             report["variables"] = list(weights)
@@ -615,54 +618,6 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             self._recent.append(
                 {"epoch": epoch, "batch": batch, "loss": loss, "grad_norm": norm}
             )
-
-    def _locate_jax(self, report, logged, weights, previous, onset):
-        """Fills the report on JAX; returns `{None: (names, arrays)}` of the batch to save."""
-        model = self.model
-        report["rows"] = []
-        if previous or (weights and not logged["loss"] and not logged["grad_norm"]):
-            report.update(kind="weights", variables=list(weights))
-            return {}
-        fallback = "loss" if logged["loss"] else "gradients"
-        # Unless the replay below finds where it began, the report says only
-        # what the record does.
-        report["localized"] = False
-        if weights:
-            report["kind"] = fallback
-            report["notes"].append(
-                "The step applied its non-finite update (skip_nonfinite=False), so the "
-                "batch was not replayed; use action='restore' to replay it."
-            )
-            return {}
-        first, batches = self._watch.group(onset)
-        if not batches:
-            report["kind"] = fallback
-            report["notes"].append("The onset's batches were no longer kept, so none was replayed.")
-            return {}
-        if self.action == "continue" and self._steps_read > onset.step + 1:
-            report["notes"].append(
-                "With action='continue' the batch was replayed with the weights of "
-                f"{self._steps_read - onset.step - 1} steps later."
-            )
-        index, found = _jax_locate().locate(model, batches)
-        if found.kind is None:
-            report["kind"] = fallback
-            report["notes"].append(
-                f"Replaying the batch failed ({found.error})." if found.error else
-                "Replaying the batch found every value finite; the step may not be deterministic."
-            )
-            return {}
-        report.update(kind=found.kind, layer=found.layer, rows=list(found.rows), localized=True)
-        located = _jax_locate().process_rows(batches[index], found.rows)
-        if located is not None:
-            # Several processes: the global batch is their local batches in
-            # process order; name each row's process and its row there.
-            report["process_rows"] = [list(pair) for pair in located]
-        if found.variables:
-            report["variables"] = list(found.variables)
-        # The micro-batch of the group where the value entered.
-        report["batch"] -= len(batches) - 1 - index
-        return {None: _jax_locate().named_arrays(batches[index])}
 
     def _restore(self, report, previous):
         if self._jax:

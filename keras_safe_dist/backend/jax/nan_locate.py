@@ -103,6 +103,71 @@ def locate(model, batches):
     return None, Found(None, error="; ".join(errors) or None)
 
 
+def fill_report(model, watch, report, logged, weights, previous, onset, *, action, steps_read):
+    """Fills `kind`, `layer`, `rows`, `variables` and `notes` of a `NaNOnsetDetector` report.
+
+    Args:
+        model: the `SafeDistributedModel`, its state that of the onset.
+        watch: its `nan_watch.OnsetWatch`, holding the onset's batches.
+        report: the report being built.
+        logged: `{"loss": bool, "grad_norm": bool}`, whether the onset
+            step's loss and update are non-finite.
+        weights: paths of the weights that are non-finite now.
+        previous: whether the weights were already non-finite when the
+            onset step began (the update before it broke them).
+        onset: the record's `nan_watch.Onset`.
+        action: the detector's `action`.
+        steps_read: how many steps of this `fit()` the record had seen.
+
+    Returns:
+        `{None: (names, arrays)}` of the batch to save, or `{}`.
+    """
+    report["rows"] = []
+    if previous or (weights and not logged["loss"] and not logged["grad_norm"]):
+        report.update(kind="weights", variables=list(weights))
+        return {}
+    fallback = "loss" if logged["loss"] else "gradients"
+    # Unless the replay below finds where it began, the report says only
+    # what the record does.
+    report["localized"] = False
+    if weights:
+        report["kind"] = fallback
+        report["notes"].append(
+            "The step applied its non-finite update (skip_nonfinite=False), so the "
+            "batch was not replayed; use action='restore' to replay it."
+        )
+        return {}
+    first, batches = watch.group(onset)
+    if not batches:
+        report["kind"] = fallback
+        report["notes"].append("The onset's batches were no longer kept, so none was replayed.")
+        return {}
+    if action == "continue" and steps_read > onset.step + 1:
+        report["notes"].append(
+            "With action='continue' the batch was replayed with the weights of "
+            f"{steps_read - onset.step - 1} steps later."
+        )
+    index, found = locate(model, batches)
+    if found.kind is None:
+        report["kind"] = fallback
+        report["notes"].append(
+            f"Replaying the batch failed ({found.error})." if found.error else
+            "Replaying the batch found every value finite; the step may not be deterministic."
+        )
+        return {}
+    report.update(kind=found.kind, layer=found.layer, rows=list(found.rows), localized=True)
+    located = process_rows(batches[index], found.rows)
+    if located is not None:
+        # Several processes: the global batch is their local batches in
+        # process order; name each row's process and its row there.
+        report["process_rows"] = [list(pair) for pair in located]
+    if found.variables:
+        report["variables"] = list(found.variables)
+    # The micro-batch of the group where the value entered.
+    report["batch"] -= len(batches) - 1 - index
+    return {None: named_arrays(batches[index])}
+
+
 def process_rows(batch, rows):
     """`[(process, row of its local batch), ...]` for rows of a global batch; None in one process."""
     sizes = _process_batch.sizes_of(batch) if jax.process_count() > 1 else None
