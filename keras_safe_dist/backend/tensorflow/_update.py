@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_safe_dist import _compat
 from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
+from keras_safe_dist.backend.tensorflow import _gradients
 from keras_safe_dist.backend.tensorflow._accumulate import Accumulators
 from keras_safe_dist.update import _loss
 from keras_safe_dist.update import _rule
@@ -46,7 +47,7 @@ class TensorFlowUpdateEngine:
         # batch's instead of overflowing (see `objective()`).
         self.estimates = self.steps > 1 and (
             self.loss_scale is not None
-            or any(_is_low_precision(v.dtype) for v in model.trainable_weights)
+            or any(_gradients.is_low_precision(v.dtype) for v in model.trainable_weights)
         )
         # An overridden compute_loss() gives the whole loss, weight
         # regularization included when it calls Keras's.
@@ -236,7 +237,7 @@ class TensorFlowUpdateEngine:
             reduced = all_reduced_totals(micro)
             total = reduced[1]
             factor = tf.math.divide_no_nan(estimate, total)
-            grads = [None if g is None else _scale(g, factor) for g in grads]
+            grads = [None if g is None else _gradients.scale(g, factor) for g in grads]
             micro = micro._replace(
                 numerator=tf.math.divide_no_nan(micro.numerator, total), denominator=None
             )
@@ -278,7 +279,7 @@ class TensorFlowUpdateEngine:
             return
         # A variable with no gradient keeps none.
         pairs = [
-            (acc, _restored(g, restore)) for acc, g in self.sums.pairs(grads, self.shared_rows)
+            (acc, _gradients.restored(g, restore)) for acc, g in self.sums.pairs(grads, self.shared_rows)
         ]
 
         # The first micro-batch of a group overwrites the sums, so they
@@ -335,7 +336,7 @@ class TensorFlowUpdateEngine:
         }
         flat = [shared[i].values if i in shared else g for i, g in enumerate(grads)]
         present = [g for g in flat if g is not None]
-        reduced = _all_reduce_sum(present + [totals])
+        reduced = _gradients.all_reduce_sum(present + [totals])
         totals = reduced[-1]
         summed = iter(reduced[:-1])
         grads = [None if g is None else next(summed) for g in flat]
@@ -351,9 +352,9 @@ class TensorFlowUpdateEngine:
             scale = tf.cast(self.loss_scale.dynamic_scale, denominator.dtype)
             divisor = scale if divisor is None else divisor * scale
         if divisor is not None:
-            grads = [_divide(g, divisor) for g in grads]
+            grads = [_gradients.divide(g, divisor) for g in grads]
         grads, loss = self._add_weight_regularization(grads, loss)
-        norm = _global_norm([_summed_rows(g) for g in grads if g is not None])
+        norm = _gradients.global_norm([_gradients.summed_rows(g) for g in grads if g is not None])
         # The norm is finite only if every gradient element is (a norm that
         # overflows its float32 or float64 also counts as non-finite).
         finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(loss))
@@ -369,7 +370,7 @@ class TensorFlowUpdateEngine:
         if penalty is None:
             return grads, loss
         extra = tape.gradient(penalty, variables)
-        grads = [_add(g, e) for g, e in zip(grads, extra)]
+        grads = [_gradients.add(g, e) for g, e in zip(grads, extra)]
         return grads, loss + penalty
 
     def _clip(self, grads, norm):
@@ -378,15 +379,15 @@ class TensorFlowUpdateEngine:
             limit = tf.constant(model.global_clipnorm, norm.dtype)
             # As tf.clip_by_global_norm, with the norm kept in its wider dtype.
             factor = limit * tf.minimum(1.0 / norm, 1.0 / limit)
-            clipped = [None if g is None else _scale(g, factor) for g in grads]
+            clipped = [None if g is None else _gradients.scale(g, factor) for g in grads]
             return clipped, tf.greater(norm, limit)
         if model.clipnorm is not None:
             limit = tf.constant(model.clipnorm, norm.dtype)
             norms = [
-                None if g is None else _global_norm([_summed_rows(g)]) for g in grads
+                None if g is None else _gradients.global_norm([_gradients.summed_rows(g)]) for g in grads
             ]
             clipped = [
-                None if g is None else _scale(g, limit / tf.maximum(n, limit))
+                None if g is None else _gradients.scale(g, limit / tf.maximum(n, limit))
                 for g, n in zip(grads, norms)
             ]
             over = [tf.greater(n, limit) for n in norms if n is not None]
@@ -395,10 +396,10 @@ class TensorFlowUpdateEngine:
             limit = model.clipvalue
             # Rows of a sparse gradient are summed first: the clip applies to
             # the gradient's elements, not to each row's share of them.
-            grads = [_unique_slices(g) for g in grads]
-            clipped = [None if g is None else _clip_values(g, limit) for g in grads]
+            grads = [_gradients.unique_slices(g) for g in grads]
+            clipped = [None if g is None else _gradients.clip_values(g, limit) for g in grads]
             over = [
-                tf.reduce_any(tf.greater(tf.abs(_summed_rows(g)), limit))
+                tf.reduce_any(tf.greater(tf.abs(_gradients.summed_rows(g)), limit))
                 for g in grads
                 if g is not None
             ]
@@ -439,7 +440,7 @@ class TensorFlowUpdateEngine:
         variables = self.model.trainable_weights
         # Accumulated gradients are in `accumulation_dtype` (float32 for
         # float16 and bfloat16 weights by default); the update is in the weights'.
-        grads = [_cast(g, v.dtype) for g, v in zip(grads, variables)]
+        grads = [_gradients.cast(g, v.dtype) for g, v in zip(grads, variables)]
         optimizer.apply(grads, variables)
 
 
@@ -495,112 +496,6 @@ def _loss_scale_optimizer(optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
     return None
-
-
-def _is_low_precision(dtype):
-    return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
-
-
-def _cast(grad, dtype):
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
-    return tf.cast(grad, dtype)
-
-
-def _global_norm(tensors):
-    """The global norm, in float64 if any tensor is float64, else in float32.
-
-    float16 and bfloat16 gradients are squared in float32, where their norm
-    cannot overflow; an overflow would read as a non-finite update.
-    """
-    if not tensors:
-        return tf.zeros(())
-    dtype = tf.float64 if any(t.dtype == tf.float64 for t in tensors) else tf.float32
-    squares = [tf.reduce_sum(tf.square(tf.cast(t, dtype))) for t in tensors]
-    return tf.sqrt(tf.add_n(squares))
-
-
-def _restored(grad, factor):
-    return grad if factor is None else _scale(grad, factor)
-
-
-def _unique_slices(grad):
-    """A sparse gradient with each row once (repeated rows summed)."""
-    if not isinstance(grad, tf.IndexedSlices):
-        return grad
-    rows, position = tf.unique(grad.indices)
-    values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(rows)[0])
-    return tf.IndexedSlices(values, rows, grad.dense_shape)
-
-
-def _summed_rows(grad):
-    """The values whose norm is the gradient's norm (None stays None)."""
-    if isinstance(grad, tf.IndexedSlices):
-        return _unique_slices(grad).values
-    return grad
-
-
-def _scale(grad, factor):
-    """`grad * factor`, computed in at least float32 (a float16 factor may overflow)."""
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            _scale(grad.values, factor), grad.indices, grad.dense_shape
-        )
-    if _is_low_precision(grad.dtype):
-        return tf.cast(tf.cast(grad, tf.float32) * tf.cast(factor, tf.float32), grad.dtype)
-    return grad * tf.cast(factor, grad.dtype)
-
-
-def _divide(grad, divisor):
-    """`grad / divisor` (0 where divisor is 0), in at least float32."""
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            _divide(grad.values, divisor), grad.indices, grad.dense_shape
-        )
-    dtype = tf.float32 if _is_low_precision(grad.dtype) else grad.dtype
-    quotient = tf.math.divide_no_nan(tf.cast(grad, dtype), tf.cast(divisor, dtype))
-    return tf.cast(quotient, grad.dtype)
-
-
-def _clip_values(grad, limit):
-    if isinstance(grad, tf.IndexedSlices):
-        values = tf.clip_by_value(grad.values, -limit, limit)
-        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-    return tf.clip_by_value(grad, -limit, limit)
-
-
-def _add(grad, extra):
-    """`grad + extra`, either of which may be None; a sum with a dense term is dense."""
-    if extra is None:
-        return grad
-    extra = tf.convert_to_tensor(extra)
-    if grad is None:
-        return extra
-    grad = tf.convert_to_tensor(grad)
-    return grad + tf.cast(extra, grad.dtype)
-
-
-def _all_reduce_sum(values):
-    """Replica context: `values` summed across replicas, one all-reduce per dtype.
-
-    A batched all-reduce packs its tensors together, which needs one dtype.
-    """
-    context = tf.distribute.get_replica_context()
-    dtypes = []
-    for value in values:
-        if value.dtype not in dtypes:
-            dtypes.append(value.dtype)
-    reduced = [None] * len(values)
-    for dtype in dtypes:
-        where = [i for i, value in enumerate(values) if value.dtype == dtype]
-        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [values[i] for i in where])
-        for i, value in zip(where, summed):
-            reduced[i] = value
-    return reduced
 
 
 def _nothing():
