@@ -501,7 +501,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
         if len(args) > _arguments.POSITIONS["fit"]["shuffle"]:
             shuffle = args[_arguments.POSITIONS["fit"]["shuffle"]]
         self.__dict__["_fit_shuffles"] = bool(shuffle) and self._nan_link.fit_arrays is not None
-        args, kwargs = _arguments.fresh_batches(keras.Model.fit, args, kwargs, ("x", "validation_data"))
+        args, kwargs = _arguments.fresh_batches("fit", args, kwargs, ("x", "validation_data"))
         try:
             return super().fit(*args, **kwargs)
         finally:
@@ -528,11 +528,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 raises a bare `StopIteration` on JAX; or when `batch_size`
                 is not None or an integer >= 1.
         """
-        _arguments.check_batch_sizes("evaluate", args, kwargs, ("batch_size",))
-        _arguments.check_has_samples(
-            "evaluate", _arguments.given("evaluate", "x", args, kwargs), distributed.strategy_of(self)
-        )
-        args, kwargs = _arguments.fresh_batches(keras.Model.evaluate, args, kwargs, ("x",))
+        args, kwargs = _arguments.checked("evaluate", args, kwargs, distributed.strategy_of(self))
         return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
@@ -555,11 +551,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
                 ('batch_outputs'); or when `batch_size` is not None or an
                 integer >= 1.
         """
-        _arguments.check_batch_sizes("predict", args, kwargs, ("batch_size",))
-        _arguments.check_has_samples(
-            "predict", _arguments.given("predict", "x", args, kwargs), distributed.strategy_of(self)
-        )
-        args, kwargs = _arguments.fresh_batches(keras.Model.predict, args, kwargs, ("x",))
+        args, kwargs = _arguments.checked("predict", args, kwargs, distributed.strategy_of(self))
         return super().predict(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):

@@ -54,15 +54,27 @@ def given(method, name, args, kwargs):
     return args[position] if len(args) > position else None
 
 
+def checked(method, args, kwargs, strategy):
+    """`args, kwargs` of `keras.Model.<method>` (`"evaluate"` or `"predict"`), checked.
+
+    Raises for a batch size Keras would misread and for `x` that holds no
+    samples; a generator's or a `PyDataset`'s batches are copied as it gives them.
+    """
+    check_batch_sizes(method, args, kwargs, ("batch_size",))
+    check_has_samples(method, given(method, "x", args, kwargs), strategy)
+    return fresh_batches(method, args, kwargs, ("x",))
+
+
 def fresh_batches(method, args, kwargs, names):
-    """`args, kwargs` of `method`, its `names` arguments that are generators or
-    `PyDataset`s copying their batches' NumPy arrays (see `core/_generators.py`)."""
+    """`args, kwargs` of `keras.Model.<method>`, its `names` arguments that are
+    generators or `PyDataset`s copying their batches' NumPy arrays (see
+    `core/_generators.py`)."""
     args = list(args)
     for name in names:
         if name in kwargs:
             kwargs[name] = _generators.fresh_batches(kwargs[name])
             continue
-        position = POSITIONS[method.__name__][name]
+        position = POSITIONS[method][name]
         if len(args) > position:
             args[position] = _generators.fresh_batches(args[position])
     return args, kwargs
