@@ -1,20 +1,14 @@
 """`BackupAndRestore` that is safe with several workers sharing one directory."""
 
 import contextlib
-import errno
-import hashlib
-import json
 import os
-import re
-import shutil
 import warnings
 
 import keras
-import numpy as np
 
 from keras_safe_dist import _compat
+from keras_safe_dist.callbacks import _backup_files
 from keras_safe_dist.core import _files
-from keras_safe_dist.core import _json
 from keras_safe_dist.core import _lock
 from keras_safe_dist.scale_out import distributed
 
@@ -111,10 +105,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         chief = distributed.is_chief(strategy)
         worker_dir = None
         if chief:
-            _check_writable(self._chief_dir)
+            _backup_files.check_writable(self._chief_dir)
         else:
             worker_dir = os.path.join(self._chief_dir, distributed.worker_name(strategy))
-            _check_writable(worker_dir)
+            _backup_files.check_writable(worker_dir)
         # One run per folder: another run's clean-up would delete this one's
         # files (each process locks the folder it writes).
         written = worker_dir or self._chief_dir
@@ -140,11 +134,11 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
             self._worker_dir = None
         elif self.delete_checkpoint:
             # The metadata first: without it the weights are no backup.
-            _files.remove(os.path.join(self._chief_dir, METADATA_FILE))
-            for name in _own_files(self._chief_dir):
+            _files.remove(os.path.join(self._chief_dir, _backup_files.METADATA_FILE))
+            for name in _backup_files.own_files(self._chief_dir):
                 _files.remove(os.path.join(self._chief_dir, name))
         if self.delete_checkpoint:
-            _remove_if_empty(self._chief_dir)
+            _backup_files.remove_if_empty(self._chief_dir)
         # Keras keeps the restored epoch on the model, where the next fit()
         # would start from it even without a backup.
         _compat.set_initial_epoch(self.model, None)
@@ -155,14 +149,14 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
     def _save(self, directory, epoch):
         """Writes the weights after `epoch` epochs, then the metadata that commits them."""
         _files.makedirs(directory)
-        name = _weights_name(epoch)
+        name = _backup_files.weights_name(epoch)
         path = os.path.join(directory, name)
-        tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}_{name}")
+        tmp = os.path.join(directory, f"{_backup_files.TMP_PREFIX}{os.getpid()}_{name}")
         # HDF5 crashes the process on a full disk (a segmentation fault after
         # errno 28): make sure of the room first, the previous backup kept.
-        previous = _files.exists(os.path.join(directory, METADATA_FILE))
-        _check_room(
-            directory, name, epoch, self._backup_size or _estimated_size(self.model), previous
+        previous = _files.exists(os.path.join(directory, _backup_files.METADATA_FILE))
+        _backup_files.check_room(
+            directory, name, epoch, self._backup_size or _backup_files.estimated_size(self.model), previous
         )
         try:
             self.model.save_weights(tmp, overwrite=True)
@@ -172,7 +166,7 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
                 f"MultiWorkerBackupAndRestore could not write {name} to backup_dir="
                 f"{directory!r} ({type(error).__name__}: {error}). The previous backup is kept."
             ) from error
-        size, digest = _digest(tmp)
+        size, digest = _backup_files.digest(tmp)
         self._backup_size = size
         _files.rename(tmp, path)
         metadata = {
@@ -184,8 +178,8 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         }
         # The commit point: until this replace, the previous metadata names
         # the previous weights file, which is still there.
-        _write_json(os.path.join(directory, METADATA_FILE), metadata)
-        for other in _own_files(directory):
+        _backup_files.write_json(os.path.join(directory, _backup_files.METADATA_FILE), metadata)
+        for other in _backup_files.own_files(directory):
             if other != name:
                 _files.remove(os.path.join(directory, other))
 
@@ -199,45 +193,48 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
                 "beforehand by calling it on a batch of data."
             )
         directory = self._chief_dir
-        metadata_path = os.path.join(directory, METADATA_FILE)
+        metadata_path = os.path.join(directory, _backup_files.METADATA_FILE)
         if not _files.exists(metadata_path):
-            committed = [n for n in _own_files(directory) if not n.startswith(_TMP_PREFIX)]
+            committed = [
+                n for n in _backup_files.own_files(directory)
+                if not n.startswith(_backup_files.TMP_PREFIX)
+            ]
             if committed:
-                raise _damaged(
+                raise _backup_files.damaged(
                     directory, committed[0],
-                    f"is there but {METADATA_FILE}, which says which epoch it "
+                    f"is there but {_backup_files.METADATA_FILE}, which says which epoch it "
                     "belongs to, is missing",
                 )
             return  # no backup: training starts from the beginning
-        metadata = _read_metadata(directory, metadata_path)
+        metadata = _backup_files.read_metadata(directory, metadata_path)
         epochs = (self.params or {}).get("epochs")
         if epochs is not None and metadata["epoch"] > epochs:
-            raise _damaged(
-                directory, METADATA_FILE,
+            raise _backup_files.damaged(
+                directory, _backup_files.METADATA_FILE,
                 f"says {metadata['epoch']} epochs are done, more than this fit()'s "
                 f"epochs={epochs}: it is the backup of another run",
             )
-        if metadata["weights"] != _weights_name(metadata["epoch"]):
+        if metadata["weights"] != _backup_files.weights_name(metadata["epoch"]):
             # Hand-edited, or put together from two backups: resuming would
             # start at one epoch with the weights of another.
-            raise _damaged(
-                directory, METADATA_FILE,
+            raise _backup_files.damaged(
+                directory, _backup_files.METADATA_FILE,
                 f"says {metadata['epoch']} epochs are done but names "
                 f"{metadata['weights']}, which this callback writes after "
-                f"{_weights_epoch(metadata['weights'])} epochs: it was edited or mixed up",
+                f"{_backup_files.weights_epoch(metadata['weights'])} epochs: it was edited or mixed up",
             )
         weights_path = os.path.join(directory, metadata["weights"])
         if not _files.exists(weights_path):
-            raise _damaged(
+            raise _backup_files.damaged(
                 directory, metadata["weights"],
-                f"is missing, although {METADATA_FILE} names it",
+                f"is missing, although {_backup_files.METADATA_FILE} names it",
             )
-        size, digest = _digest(weights_path)
+        size, digest = _backup_files.digest(weights_path)
         if (size, digest) != (metadata["weights_bytes"], metadata["weights_sha256"]):
-            raise _damaged(
+            raise _backup_files.damaged(
                 directory, metadata["weights"],
                 f"is damaged: {size} bytes with SHA-256 {digest[:12]}..., where "
-                f"{METADATA_FILE} recorded {metadata['weights_bytes']} bytes with "
+                f"{_backup_files.METADATA_FILE} recorded {metadata['weights_bytes']} bytes with "
                 f"SHA-256 {metadata['weights_sha256'][:12]}...",
             )
         self._load_whole(directory, metadata["weights"])
@@ -262,173 +259,11 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         except Exception as error:
             for variable, value in zip(variables, before):
                 variable.assign(value)
-            raise _damaged(
+            raise _backup_files.damaged(
                 directory, name,
                 f"does not fit this model and optimizer ({type(error).__name__}: "
                 f"{error}); the model was left as it was",
             ) from error
-
-
-METADATA_FILE = "training_metadata.json"
-
-# The start of the names of files being written, before they replace theirs.
-_TMP_PREFIX = ".tmp"
-
-_WEIGHTS_PATTERN = re.compile(r"^(\.tmp\d+_)?epoch_\d+\.weights\.h5$")
-
-# The metadata is a few hundred bytes; anything much larger is not ours.
-_METADATA_LIMIT = 1 << 16
-
-
-def _weights_name(epoch):
-    return f"epoch_{epoch}.weights.h5"
-
-
-# Room kept beyond the estimate: HDF5's headers, one per variable, and the metadata.
-_HDF5_BYTES_PER_VARIABLE = 4096
-_MARGIN_BYTES = 1 << 16
-
-
-def _estimated_size(model):
-    """About the bytes of a weights file of `model` and its optimizer."""
-    optimizer = getattr(model, "optimizer", None)
-    variables = list(model.weights) + list(getattr(optimizer, "variables", None) or [])
-    data = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
-    return data + _HDF5_BYTES_PER_VARIABLE * len(variables)
-
-
-def _check_room(directory, name, epoch, size, previous):
-    """Raises an `OSError` (ENOSPC) when `directory`'s disk has no room for `size` bytes more.
-
-    `previous`: whether a committed backup is there (kept), or this is the first.
-    """
-    if _files.remote(directory):
-        return
-    free = shutil.disk_usage(directory).free
-    needed = size + _MARGIN_BYTES
-    if free < needed:
-        kept = "The previous backup is kept." if previous else "No backup was written yet."
-        raise OSError(
-            errno.ENOSPC,
-            f"MultiWorkerBackupAndRestore cannot write the backup of epoch {epoch} to "
-            f"backup_dir={directory!r}: {name} needs about {needed} bytes ({size} for the "
-            f"file, {_MARGIN_BYTES} of room) and its disk has {free} bytes free. {kept} "
-            "Free some space, or pass a backup_dir on a disk with room",
-        )
-
-
-def _weights_epoch(name):
-    """The epoch in a weights file's name (`epoch_<N>.weights.h5`)."""
-    return int(name.split("_", 1)[1].split(".", 1)[0])
-
-
-def _own_files(directory):
-    """The weights files (committed or half-written) and temporary files of a backup."""
-    return sorted(
-        name for name in _files.listdir(directory)
-        if _WEIGHTS_PATTERN.match(name) or name.startswith(f"{METADATA_FILE}.tmp")
-    )
-
-
-def _read_metadata(directory, path):
-    """The backup's metadata, checked to be of the shape `_save` writes."""
-    try:
-        with _files.open_file(path, "rb") as f:
-            raw = f.read(_METADATA_LIMIT + 1)
-        if len(raw) > _METADATA_LIMIT:
-            raise ValueError(f"over {_METADATA_LIMIT} bytes")
-        metadata = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise _damaged(directory, METADATA_FILE, f"is not readable JSON ({error})") from error
-    expected = {
-        "epoch": int, "batch": int, "weights": str, "weights_bytes": int, "weights_sha256": str,
-    }
-    wrong = [
-        key for key, kind in expected.items()
-        if not isinstance(metadata, dict)
-        or not isinstance(metadata.get(key), kind)
-        or isinstance(metadata.get(key), bool)
-    ]
-    if not wrong and (
-        metadata["epoch"] < 0
-        or not _WEIGHTS_PATTERN.match(metadata["weights"])
-        or metadata["weights"].startswith(_TMP_PREFIX)
-    ):
-        wrong = ["epoch" if metadata["epoch"] < 0 else "weights"]
-    if wrong:
-        raise _damaged(
-            directory, METADATA_FILE,
-            f"is not the metadata this callback writes (wrong or missing: "
-            f"{', '.join(wrong)}; it holds {_preview(metadata)})",
-        )
-    return metadata
-
-
-def _refuse_constant(token):
-    raise ValueError(f"bare {token}")
-
-
-def _preview(data):
-    text = repr(data)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _damaged(directory, name, problem):
-    return ValueError(
-        f"MultiWorkerBackupAndRestore cannot restore the backup in "
-        f"backup_dir={directory!r}: {name} {problem}. A backup restores whole or "
-        f"not at all. Delete the folder {directory!r} to start training over."
-    )
-
-
-def _digest(path):
-    """`(size in bytes, SHA-256 hex digest)` of a file."""
-    digest = hashlib.sha256()
-    size = 0
-    with _files.open_file(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 20)
-            if not chunk:
-                break
-            size += len(chunk)
-            digest.update(chunk)
-    return size, digest.hexdigest()
-
-
-def _write_json(path, data):
-    if _files.remote(path):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with _files.open_file(tmp, "w") as f:
-            f.write(_json.dumps(data, indent=2, sort_keys=True) + "\n")
-        _files.rename(tmp, path)
-    else:
-        _json.write(path, data)
-
-
-def _check_writable(directory):
-    """Creates `directory` if needed and writes and deletes a file in it.
-
-    Raises:
-        OSError: naming the directory, the problem and what to do.
-    """
-    probe = os.path.join(directory, f".keras_safe_dist_write_check_{os.getpid()}")
-    try:
-        _files.makedirs(directory)
-        with _files.open_file(probe, "w") as f:
-            f.write("")
-        _files.remove(probe)
-    except OSError as error:
-        problem = error.strerror or str(error)
-        raise OSError(
-            f"MultiWorkerBackupAndRestore cannot write its backup to {directory!r}: "
-            f"{problem}. Pass a `backup_dir` that every worker can create and write."
-        ) from error
-
-
-def _remove_if_empty(directory):
-    # Another worker may have removed it already: `_files.remove` allows that.
-    if _files.isdir(directory) and not _files.listdir(directory):
-        _files.remove(directory)
 
 
 def _resumed_shuffling(epoch):
