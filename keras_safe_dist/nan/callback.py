@@ -2,7 +2,6 @@
 
 import collections
 import math
-import threading
 import warnings
 
 import keras
@@ -12,6 +11,7 @@ from keras_safe_dist.core import on_jax
 from keras_safe_dist.nan import flags as _nan_flags
 from keras_safe_dist.nan import onset_report
 from keras_safe_dist.nan import rows as _nan_rows
+from keras_safe_dist.nan._record_reads import RecordReads
 from keras_safe_dist.nan.link import link_of
 from keras_safe_dist.report import writer
 from keras_safe_dist.scale_out import distributed
@@ -204,9 +204,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._in_step = False
         self._watch = None
         self._jax = False
-        self._pending = None
-        self._read = None
-        self._reading = None
+        self._reads = None
 
     @property
     def requests_update_stats(self):
@@ -303,9 +301,8 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         self._plain_snapshots = None
         if self._jax:
             self._watch.reset(getattr(model, "steps_per_execution", 1))
-        self._pending = None  # JAX: the record kept at the last check
-        self._read = None  # JAX: (record, its Onset), read in Keras's callback thread
-        self._reading = threading.Lock()  # held by the callback thread reading it
+        # JAX: the record kept at each check, read off the dispatching thread.
+        self._reads = RecordReads(self._watch) if self._jax else None
         self._next_check = self.check_every
         self._epoch_starts = {}  # JAX: epoch -> its first step in this fit()
         self._steps_read = 0
@@ -314,9 +311,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._jax:
             self._watch.release()  # the batches kept for a replay: none is left to make
-        self._pending = None
-        self._read = None
-        self._reading = None
+        self._reads = None
         self._in_step = False
 
     def _check_steps_per_execution(self, model):
@@ -386,13 +381,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             # callback threads, after the step's logs have reached the host:
             # the record kept at the last check is read here, once, off the
             # thread that dispatches the steps, for the next check to act on.
-            if self._unread(self._pending) and self._reading.acquire(blocking=False):
-                try:
-                    pending = self._pending
-                    if self._unread(pending):
-                        self._read = (pending, self._watch.finish_read(pending))
-                finally:
-                    self._reading.release()
+            reads = self._reads  # None once the fit() has ended
+            if reads is not None:
+                reads.read_kept()
             return
         logs = logs or {}
         flags = {name: logs.pop(name) for name in _nan_flags.LOG_NAMES if name in logs}
@@ -430,7 +421,7 @@ class NaNOnsetDetector(keras.callbacks.Callback):
         if self._jax:
             # Keras put the state back on the model at the epoch's end: one
             # computation and one read for the record and the weights.
-            self._pending = None
+            self._reads.drop()
             onset, weights = self._watch.read_with_weights(self.model)
             self._act_on_record(onset)
             if self.report is None and self._last_batch is not None:
@@ -554,26 +545,12 @@ class NaNOnsetDetector(keras.callbacks.Callback):
 
     # JAX: the step's record.
 
-    def _read_onset(self, pending):
-        """The `Onset` a callback thread read for `pending` (a record kept at a check), or None."""
-        read = self._read
-        return read[1] if read is not None and read[0] is pending else None
-
-    def _unread(self, pending):
-        """Whether `pending` (a record kept at a check, or None) is still to be read."""
-        return pending is not None and self._read_onset(pending) is None
-
     def _check_record(self):
-        pending = self._pending
-        if pending is not None:
-            self._pending = None
-            onset = self._read_onset(pending)  # read in Keras's callback thread
-            if onset is None:
-                onset = self._watch.finish_read(pending)
-            if self._act_on_record(onset):
-                return
+        onset = self._reads.take()
+        if onset is not None and self._act_on_record(onset):
+            return
         if self.report is None or (self.action == "continue" and not self._stopped_at_limit):
-            self._pending = self._watch.start_read()
+            self._reads.keep()
 
     def _act_on_record(self, onset):
         """Reports an onset the record holds, and stops where it says; returns whether it acted."""
