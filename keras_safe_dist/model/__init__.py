@@ -249,15 +249,7 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            global_clipnorm=self.global_clipnorm,
-            clipnorm=self.clipnorm,
-            clipvalue=self.clipvalue,
-            skip_nonfinite=self.skip_nonfinite,
-            log_update_stats=self.log_update_stats,
-            accumulation_dtype=self.accumulation_dtype,
-        )
+        config.update({name: getattr(self, name) for name in _options.DEFAULTS})
         return config
 
     @classmethod
