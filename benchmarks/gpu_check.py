@@ -100,7 +100,7 @@ import numpy as np  # noqa: E402
 
 import keras_safe_dist  # noqa: E402
 from keras_safe_dist import SafeDistributedModel  # noqa: E402
-from keras_safe_dist.backend.jax import _update as _jax_update  # noqa: E402
+from keras_safe_dist.backend.jax import _gradients as _jax_gradients  # noqa: E402
 from keras_safe_dist.callbacks import NaNOnsetDetector  # noqa: E402
 
 from _timing import interleave  # noqa: E402
@@ -382,13 +382,13 @@ def timing(configs, x, y, batch, rounds, callbacks=None):
 
 def compiled_with_norm(model, x, y, batch, concatenate):
     """Compiles `model`'s step with the global norm summed one way (see
-    `_update._global_norm`), by one epoch; later fits keep that step."""
-    _jax_update.NORM_BY_CONCATENATION = concatenate
+    `_gradients.global_norm`), by one epoch; later fits keep that step."""
+    _jax_gradients.NORM_BY_CONCATENATION = concatenate
     try:
         model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
         wait(model)
     finally:
-        _jax_update.NORM_BY_CONCATENATION = None
+        _jax_gradients.NORM_BY_CONCATENATION = None
 
 
 def device_profile(configs, x, y, batch, callbacks=None):
@@ -545,7 +545,7 @@ def check(
     if controls:
         # The safe model with its global norm summed the other way than this
         # platform's default, and without the norm and the skip.
-        concatenate = not _jax_update.joins_norm(
+        concatenate = not _jax_gradients.joins_norm(
             [v.value for v in models["safe"].trainable_variables]
         )
         models[NORM_CONTROL[concatenate]] = build(

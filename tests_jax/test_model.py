@@ -12,7 +12,7 @@ import pytest
 
 import keras_safe_dist
 from keras_safe_dist import SafeDistributedModel
-from keras_safe_dist.backend.jax import _update as _jax_update
+from keras_safe_dist.backend.jax import _gradients as _jax_gradients
 
 from conftest import needs_tensorflow
 from conftest import one_device
@@ -277,7 +277,7 @@ def _norm(arrays):
 def norm_sum(request, monkeypatch):
     """The global norm summed per tensor (a CPU's default) or over the joined
     gradients (a GPU's), forced for the models built in the test."""
-    monkeypatch.setattr(_jax_update, "NORM_BY_CONCATENATION", request.param == "joined")
+    monkeypatch.setattr(_jax_gradients, "NORM_BY_CONCATENATION", request.param == "joined")
     return request.param
 
 
@@ -308,22 +308,22 @@ def test_the_global_norm_joins_the_gradients_on_a_gpu_only_and_never_sharded_one
     devices, monkeypatch
 ):
     replicated = [jax.device_put(np.ones((4, 4), "float32"))]
-    assert _jax_update._platform(replicated) == "cpu"
-    assert not _jax_update.joins_norm(replicated)  # the default on a CPU
-    monkeypatch.setattr(_jax_update, "_JOINED_NORM_PLATFORMS", frozenset({"cpu"}))
-    assert _jax_update.joins_norm(replicated)
+    assert _jax_gradients.platform(replicated) == "cpu"
+    assert not _jax_gradients.joins_norm(replicated)  # the default on a CPU
+    monkeypatch.setattr(_jax_gradients, "_JOINED_NORM_PLATFORMS", frozenset({"cpu"}))
+    assert _jax_gradients.joins_norm(replicated)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
     sharded = jax.device_put(
         np.ones((4, 4), "float32"),
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model")),
     )
-    assert not _jax_update.joins_norm([*replicated, sharded])
-    monkeypatch.setattr(_jax_update, "NORM_BY_CONCATENATION", True)
-    assert not _jax_update.joins_norm([*replicated, sharded])  # the join would gather them
+    assert not _jax_gradients.joins_norm([*replicated, sharded])
+    monkeypatch.setattr(_jax_gradients, "NORM_BY_CONCATENATION", True)
+    assert not _jax_gradients.joins_norm([*replicated, sharded])  # the join would gather them
     tensors = [np.arange(12, dtype="float32").reshape(3, 4), np.full((5,), -2.0, "float16")]
     expected = np.sqrt(sum(np.sum(np.square(t.astype("float64"))) for t in tensors))
     for joined in (False, True):
-        norm = _jax_update._global_norm([jax.numpy.asarray(t) for t in tensors], joined)
+        norm = _jax_gradients.global_norm([jax.numpy.asarray(t) for t in tensors], joined)
         assert norm.dtype == np.float32
         assert float(norm) == pytest.approx(expected, rel=1e-6)
 

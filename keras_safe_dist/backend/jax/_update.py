@@ -10,7 +10,6 @@ finite. The rule it follows is `_loss`'s and `_stats`'s, shared with
 TensorFlow's `TensorFlowUpdateEngine`; the trainer is `trainer.py`, beside this module.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ from keras import ops
 
 from keras_safe_dist import _compat
 from keras_safe_dist.backend.jax import _compat as _jax_compat
+from keras_safe_dist.backend.jax import _gradients
 from keras_safe_dist.backend.jax.nan_watch import OnsetWatch
 from keras_safe_dist.update import _loss
 from keras_safe_dist.update import _rule
@@ -134,11 +134,11 @@ class JAXUpdateEngine:
 
         The step's skip depends on whether a distribution shards them
         (ModelParallel), and how it sums the gradients' squares on which
-        platform they are (see `_update` and `_global_norm`).
+        platform they are (see `_update` and `_gradients.global_norm`).
         """
         values = [v.value for v in self.model.trainable_variables]
-        self.sharded_weights = any(_is_sharded(value) for value in values)
-        self.norm_by_concatenation = joins_norm(values)
+        self.sharded_weights = any(_gradients.is_sharded(value) for value in values)
+        self.norm_by_concatenation = _gradients.joins_norm(values)
 
     def stale(self, nan_request=None):
         """Whether the model's options, optimizer or NaN detector changed since this
@@ -242,7 +242,7 @@ class JAXUpdateEngine:
             )
         value = micro.numerator
         if micro.denominator is not None:
-            value = _divide_no_nan(micro.numerator, micro.denominator)
+            value = _gradients.divide_no_nan(micro.numerator, micro.denominator)
         if micro.undivided is not None:
             value = value + micro.undivided
         logged = (value, micro.samples)
@@ -280,7 +280,7 @@ class JAXUpdateEngine:
             ]
         )
         if self.steps == 1:
-            loss = micro.numerator if micro.denominator is None else _divide_no_nan(
+            loss = micro.numerator if micro.denominator is None else _gradients.divide_no_nan(
                 micro.numerator, micro.denominator
             )
             trainable, optimizer_values, stats = self._update(
@@ -328,8 +328,8 @@ class JAXUpdateEngine:
     def _update_from_sums(self, sums, totals, trainable, optimizer_values, stats):
         numerator, denominator, samples = totals[0], totals[1], totals[2]
         if getattr(self, "normalized", True):
-            grads = [_divide_no_nan(s, denominator.astype(s.dtype)) for s in sums]
-            loss = _divide_no_nan(numerator, denominator)
+            grads = [_gradients.divide_no_nan(s, denominator.astype(s.dtype)) for s in sums]
+            loss = _gradients.divide_no_nan(numerator, denominator)
         else:
             grads, loss = list(sums), numerator
         return self._update(grads, loss, samples, trainable, optimizer_values, stats)
@@ -343,14 +343,16 @@ class JAXUpdateEngine:
         old_stats = stats
         grads = self._add_weight_regularization(grads, trainable)
         if self._reads_norm():
-            norm = _global_norm(grads, self.norm_by_concatenation)
+            norm = _gradients.global_norm(grads, self.norm_by_concatenation)
             finite = jnp.isfinite(norm) & jnp.isfinite(loss)
         else:
             # Nothing reads the norm (no skip, clipping, loss scale or
             # statistics): the update waits for no reduction over the gradients.
             norm = jnp.zeros((), "float32")
             finite = jnp.ones((), bool)
-        grads, clipped = self._clip(grads, norm)
+        grads, clipped = _gradients.clip(
+            grads, norm, model.global_clipnorm, model.clipnorm, model.clipvalue
+        )
 
         def apply(operands):
             trainable, optimizer_values = operands
@@ -443,26 +445,6 @@ class JAXUpdateEngine:
         extra = jax.grad(penalty)(trainable)
         return [g + e.astype(g.dtype) for g, e in zip(grads, extra)]
 
-    def _clip(self, grads, norm):
-        model = self.model
-        if model.global_clipnorm is not None:
-            limit = model.global_clipnorm
-            factor = limit * jnp.minimum(1.0 / norm, 1.0 / limit)
-            return [g * factor.astype(g.dtype) for g in grads], norm > limit
-        if model.clipnorm is not None:
-            limit = model.clipnorm
-            norms = [_global_norm([g]) for g in grads]
-            clipped = [
-                g * (limit / jnp.maximum(n, limit)).astype(g.dtype)
-                for g, n in zip(grads, norms)
-            ]
-            return clipped, jnp.any(jnp.stack([n > limit for n in norms]))
-        if model.clipvalue is not None:
-            limit = model.clipvalue
-            over = jnp.any(jnp.stack([jnp.any(jnp.abs(g) > limit) for g in grads]))
-            return [jnp.clip(g, -limit, limit) for g in grads], over
-        return grads, jnp.zeros((), bool)
-
     def _scale(self, optimizer_values):
         if self.loss_scale is None:
             return None
@@ -473,76 +455,9 @@ class JAXUpdateEngine:
         return optimizer_values[index]
 
 
-# Whether the global norm sums the squares of the gradients joined into one
-# vector (see `_global_norm`): None, by the platform of the weights (in
-# `_JOINED_NORM_PLATFORMS`) where none is sharded; True or False for every
-# model (benchmarks/gpu_check.py --controls compares the two).
-NORM_BY_CONCATENATION = None
-_JOINED_NORM_PLATFORMS = frozenset({"gpu"})
-
-
-def joins_norm(values):
-    """Whether a step over weights `values` sums the global norm over the joined gradients."""
-    if any(_is_sharded(value) for value in values):
-        return False  # the join would gather the shards
-    if NORM_BY_CONCATENATION is not None:
-        return NORM_BY_CONCATENATION
-    return _platform(values) in _JOINED_NORM_PLATFORMS
-
-
 # The statistics at a fit()'s and an epoch's start, from those before.
 _RESET_FIT = jax.jit(lambda values: [jnp.zeros_like(value) for value in values])
 _RESET_EPOCH = jax.jit(lambda stats: stats * np.asarray(_rule.KEPT_ACROSS_EPOCHS, "float32"))
-
-
-def _global_norm(tensors, concatenate=False):
-    """The global norm in float32 or wider, so a float16 gradient's norm cannot overflow.
-
-    By default a plain sum of squares per tensor, as optax's `global_norm`:
-    XLA sums a sharded gradient shard by shard and adds the partial sums
-    across devices. (A matrix's squares summed as `vdot(t.T, t.T)` saved a
-    copy on one CPU device, but under `ModelParallel` the transpose of a
-    sharded gradient made the MLP 256-1024-1024-256's step 2.7 times stock's
-    on 2 CPU devices.)
-
-    With `concatenate`, one sum over all the tensors flattened and joined: on
-    a GPU XLA fuses the join into the reduction, one kernel where the
-    per-tensor sums take one each, and a step of about a millisecond is
-    bound by its kernel launches (an H200's convnet step: 59 kernels against
-    65 summed per tensor). Not on a CPU, where XLA:CPU's fused join and
-    reduction made gpu_check's MLP epoch up to 4 times as long, nor over
-    sharded tensors, which the join would gather.
-    """
-    wide = [t.astype(jnp.promote_types(t.dtype, jnp.float32)) for t in tensors]
-    if not wide:
-        return jnp.zeros((), "float32")
-    if concatenate and len(wide) > 1:
-        dtype = functools.reduce(jnp.promote_types, [t.dtype for t in wide])
-        joined = jnp.concatenate([jnp.ravel(t).astype(dtype) for t in wide])
-        return jnp.sqrt(jnp.sum(jnp.square(joined)))
-    return jnp.sqrt(sum(jnp.sum(jnp.square(t)) for t in wide))
-
-
-def _platform(values):
-    """The platform ("cpu", "gpu", "tpu") of the arrays' devices, or None if unknown or mixed."""
-    platforms = set()
-    for value in values:
-        devices = getattr(value, "devices", None)
-        if devices is None:
-            return None
-        platforms.update(device.platform for device in devices())
-    return platforms.pop() if len(platforms) == 1 else None
-
-
-def _is_sharded(value):
-    """Whether `value` is split across devices (not replicated, nor on one device)."""
-    spec = getattr(getattr(value, "sharding", None), "spec", None)
-    return spec is not None and any(axis is not None for axis in spec)
-
-
-def _divide_no_nan(numerator, denominator):
-    safe = jnp.where(denominator == 0, jnp.ones_like(denominator), denominator)
-    return jnp.where(denominator == 0, jnp.zeros_like(numerator), numerator / safe)
 
 
 def _loss_scale_optimizer(optimizer):
