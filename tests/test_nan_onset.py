@@ -10,6 +10,7 @@ import tensorflow as tf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from keras_safe_dist import SafeDistributedModel
+from keras_safe_dist.backend.tensorflow import _nonfinite
 from keras_safe_dist.backend.tensorflow import nan_probe as _nan_probe
 from keras_safe_dist.callbacks import NaNOnsetDetector
 from keras_safe_dist.nan import flags as _nan_flags
@@ -626,8 +627,8 @@ def test_probe_entry_is_exact_sum_of_flagged_groups():
     # One group per field; a group is flagged by a NaN, an infinity or an overflowing total.
     groups = [[tf.constant(1.0), tf.constant(np.nan)], [tf.constant(3e38), tf.constant(3e38)], [tf.constant(2.0)]]
     for dtype in (tf.float32, tf.float64):
-        assert float(_nan_probe._nonfinite_sum(groups, [1.0, 16.0, 256.0], dtype)) == 17.0
-        assert float(_nan_probe._nonfinite_sum([[], [tf.constant(1.0)] * 3], [1.0, 2.0], dtype)) == 0.0
+        assert float(_nonfinite.nonfinite_sum(groups, [1.0, 16.0, 256.0], dtype)) == 17.0
+        assert float(_nonfinite.nonfinite_sum([[], [tf.constant(1.0)] * 3], [1.0, 2.0], dtype)) == 0.0
 
 
 def test_input_and_weight_checks_count_only_nan_and_inf_and_gradient_checks_count_overflow():
