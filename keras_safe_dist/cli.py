@@ -278,6 +278,9 @@ def _report(args):
         report = report_module.read_log_dir(args.log_dir)
     except (FileNotFoundError, NotADirectoryError) as error:
         return _report_nothing(args, str(error))
+    except ImportError as error:  # a remote LOGDIR without TensorFlow
+        print(f"keras-safe-dist report: {error}", file=sys.stderr)
+        return 2
     if not (report.audits or report.nan_onsets or report.runs or report.errors):
         if report.warnings:
             # The log directory is right; what it holds cannot be read.

@@ -100,6 +100,39 @@ def test_every_callback_and_audit_runs_and_writes_without_tensorflow(tmp_path, d
     assert "tensorflow" not in sys.modules
 
 
+def _fit_one_batch(callback):
+    x, y, _ = regression_data(8)
+    _model().fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda path: _fit_one_batch(callbacks.NaNOnsetDetector(log_dir=path)),
+        lambda path: _fit_one_batch(callbacks.Dashboard(path)),
+        lambda path: read_log_dir(path),
+    ],
+    ids=["NaNOnsetDetector", "Dashboard", "read_log_dir"],
+)
+def test_a_remote_path_without_tensorflow_says_what_to_install(tmp_path, devices, make, monkeypatch):
+    # Remote paths go through tf.io.gfile; refused here before any byte is sent.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ImportError, match=r"A remote path \(gs://.*keras-safe-dist\[tensorflow\]"):
+        make("ram://bucket/logs")
+    assert os.listdir(tmp_path) == []  # no local folder named `ram:` either
+    assert "tensorflow" not in sys.modules
+
+
+def test_report_on_a_remote_log_dir_without_tensorflow_exits_2_saying_what_to_install(capsys):
+    from keras_safe_dist import cli
+
+    assert cli.main(["report", "ram://bucket/logs"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("keras-safe-dist report: A remote path (gs://")
+    assert "pip install 'keras-safe-dist[tensorflow]'" in err
+
+
 def test_backup_and_restore_resumes_where_the_backup_ended(tmp_path, devices):
     x, y, _ = regression_data(40)
     first = _model()

@@ -9,19 +9,17 @@ weights file's digest, and refuses a damaged backup whole.
 import errno
 import hashlib
 import json
-import os
 import re
 import shutil
 
 import numpy as np
 
 from keras_safe_dist.core import _files
-from keras_safe_dist.core import _json
 
 __all__ = [
     "METADATA_FILE", "TMP_PREFIX", "check_room", "check_writable", "damaged", "digest",
     "estimated_size", "own_files", "read_metadata", "remove_if_empty", "weights_epoch",
-    "weights_name", "write_json",
+    "weights_name",
 ]
 
 METADATA_FILE = "training_metadata.json"
@@ -150,28 +148,14 @@ def digest(path):
     return size, digest.hexdigest()
 
 
-def write_json(path, data):
-    if _files.remote(path):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with _files.open_file(tmp, "w") as f:
-            f.write(_json.dumps(data, indent=2, sort_keys=True) + "\n")
-        _files.rename(tmp, path)
-    else:
-        _json.write(path, data)
-
-
 def check_writable(directory):
     """Creates `directory` if needed and writes and deletes a file in it.
 
     Raises:
         OSError: naming the directory, the problem and what to do.
     """
-    probe = os.path.join(directory, f".keras_safe_dist_write_check_{os.getpid()}")
     try:
-        _files.makedirs(directory)
-        with _files.open_file(probe, "w") as f:
-            f.write("")
-        _files.remove(probe)
+        _files.check_writable(directory)
     except OSError as error:
         problem = error.strerror or str(error)
         raise OSError(

@@ -9,6 +9,7 @@ import keras
 from keras_safe_dist import _compat
 from keras_safe_dist.callbacks import _backup_files
 from keras_safe_dist.core import _files
+from keras_safe_dist.core import _json
 from keras_safe_dist.core import _lock
 from keras_safe_dist.scale_out import distributed
 
@@ -178,7 +179,7 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         }
         # The commit point: until this replace, the previous metadata names
         # the previous weights file, which is still there.
-        _backup_files.write_json(os.path.join(directory, _backup_files.METADATA_FILE), metadata)
+        _json.write(os.path.join(directory, _backup_files.METADATA_FILE), metadata)
         for other in _backup_files.own_files(directory):
             if other != name:
                 _files.remove(os.path.join(directory, other))

@@ -10,12 +10,16 @@ errors `OSError`, each with TensorFlow's message.
 import contextlib
 import os
 import shutil
+import tempfile
 
-from keras_safe_dist.core._lazy import tensorflow as tf
+from keras_safe_dist.core._lazy import LazyModule
+
+# Imported for a remote path only: a JAX user without TensorFlow keeps local paths.
+tf = LazyModule("tensorflow", "A remote path (gs://, s3://: read and written through tf.io.gfile)", "tensorflow")
 
 __all__ = [
-    "exists", "isdir", "listdir", "makedirs", "open_file", "remote", "remove", "rename",
-    "written_whole",
+    "check_writable", "exists", "isdir", "listdir", "makedirs", "open_file", "remote", "remove",
+    "rename", "walk", "written_whole",
 ]
 
 
@@ -42,6 +46,23 @@ def makedirs(path):
         return
     with _gfile_errors():
         tf.io.gfile.makedirs(path)
+
+
+def check_writable(path):
+    """Creates the folder `path` if needed and writes a file in it, then removes it.
+
+    Raises the `OSError` of whichever step fails. A local check writes an
+    unnamed temporary file; a remote file system (`gs://`) has none, so a
+    named one is written and removed.
+    """
+    makedirs(path)
+    if not remote(path):
+        with tempfile.TemporaryFile(dir=path):
+            return
+    probe = f"{path.rstrip('/')}/.keras_safe_dist_write_check_{os.getpid()}"
+    with open_file(probe, "w") as f:
+        f.write("")
+    remove(probe)
 
 
 def exists(path):
@@ -113,15 +134,16 @@ def remove(path):
 
 @contextlib.contextmanager
 def written_whole(path, mode="w"):
-    """A local file object whose content replaces `path` in one step when the block ends.
+    """A file object whose content replaces `path` in one step when the block ends.
 
-    The content goes to a file beside `path`, flushed to disk, which then
-    replaces `path`: a reader sees the previous file or the new one, never
-    half of one. When the block raises, `path` is left as it was and the
-    file beside it removed.
+    The content goes to a file beside `path` (flushed to disk, for a local
+    one), which then replaces `path`: a reader sees the previous file or the
+    new one, never half of one. When the block raises, `path` is left as it
+    was and the file beside it removed. A remote `path` is written through
+    TensorFlow's `GFile` and put in place with `tf.io.gfile.rename`.
 
     Args:
-        path: the local file to write.
+        path: the file to write, local or remote.
         mode: `"w"` (text, UTF-8) or `"wb"`.
 
     Example:
@@ -133,11 +155,28 @@ def written_whole(path, mode="w"):
     """
     tmp = f"{path}.tmp{os.getpid()}"
     try:
+        if remote(path):
+            with open_file(tmp, mode) as f:
+                yield f
+            rename(tmp, path)
+            return
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if exists(tmp):
+            remove(tmp)
+
+
+def walk(path):
+    """`os.walk(path)`, top-down, or `tf.io.gfile.walk` for a remote path.
+
+    Yields `(folder, subfolders, files)`; nothing when `path` does not exist.
+    """
+    if not remote(path):
+        yield from os.walk(path)
+        return
+    with _gfile_errors():
+        yield from tf.io.gfile.walk(path)

@@ -5,7 +5,8 @@ Each names the argument, what was expected and what was received.
 
 import numbers
 import os
-import tempfile
+
+from keras_safe_dist.core import _files
 
 
 def is_integer_at_least(value, minimum=1):
@@ -58,9 +59,7 @@ def writable_directory(owner, name, path, optional=True):
             argument, the directory, the problem and what to do.
     """
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        _files.check_writable(path)
     except OSError as error:
         raise type(error)(
             f"{owner} cannot write to `{name}`={path!r}: {error.strerror or error}. "

@@ -1,10 +1,12 @@
 """The NaN onset report: its fields, its readable paragraph and its files."""
 
+import io
 import math
 import os
 
 import numpy as np
 
+from keras_safe_dist.core import _files
 from keras_safe_dist.findings import Finding
 from keras_safe_dist.findings import markdown_row
 from keras_safe_dist.report import writer
@@ -212,8 +214,12 @@ def write(report, log_dir, shares, step, strategy):
     report["summary"] = paragraph(report)
     with writer.writing("NaNOnsetDetector", log_dir):
         if shares:
-            os.makedirs(log_dir, exist_ok=True)
-            np.savez(report["files"]["batch"], **_batch_arrays(shares))
+            _files.makedirs(log_dir)
+            # Zipped in memory: a remote file (GFile) cannot tell its position, which zip needs.
+            archive = io.BytesIO()
+            np.savez(archive, **_batch_arrays(shares))
+            with _files.written_whole(report["files"]["batch"], "wb") as f:
+                f.write(archive.getvalue())
     who = "NaNOnsetDetector"
     writer.write_json(log_dir, REPORT_FILE, report, strategy=strategy, who=who)
     writer.write_text(log_dir, TAG, markdown(report), step=step, strategy=strategy, who=who)

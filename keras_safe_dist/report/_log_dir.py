@@ -7,7 +7,9 @@ update statistics of each run (`safe_distributed/<name>` from `Dashboard`, or
 prints it and gates on the findings.
 
 It imports neither TensorFlow nor Keras: event files are read with the
-`tensorboard` package's own record reader and protocol buffers.
+`tensorboard` package's own record reader and protocol buffers. A remote log
+directory (`gs://...`) is read through TensorFlow's `tf.io.gfile`, the one
+case that needs TensorFlow (as for writing there).
 """
 
 import dataclasses
@@ -15,6 +17,7 @@ import json
 import os
 import stat
 
+from keras_safe_dist.core import _files
 from keras_safe_dist.findings import SEVERITIES
 from keras_safe_dist.findings import AuditReport
 from keras_safe_dist.findings import Finding
@@ -166,7 +169,8 @@ def read_log_dir(log_dir):
 
     Args:
         log_dir: the log directory given to the callbacks, a str or an
-            `os.PathLike`.
+            `os.PathLike`; a remote one (`gs://...`) is read through
+            `tf.io.gfile`, which needs TensorFlow.
 
     Returns:
         A `LogDirReport`.
@@ -184,19 +188,21 @@ def read_log_dir(log_dir):
     ```
     """
     log_dir = os.fspath(log_dir)
-    if os.path.isfile(log_dir):
+    remote = _files.remote(log_dir)
+    if not _files.isdir(log_dir) and _files.exists(log_dir):
         raise NotADirectoryError(
             f"{log_dir} is a file; report reads the log directory given to the "
             f"callbacks (here perhaps {os.path.dirname(log_dir) or '.'})"
         )
-    if not os.path.isdir(log_dir):
+    if not _files.isdir(log_dir):
+        seen_from = "" if remote else f" (the working directory is {os.getcwd()})"
         raise FileNotFoundError(
             f"log directory not found: {log_dir!r}. Pass the log_dir given to the "
             "callbacks (NaNOnsetDetector, the audits, Dashboard), as it is seen from "
-            f"here (the working directory is {os.getcwd()})"
+            f"here{seen_from}"
         )
     report = LogDirReport(log_dir, [], [], [])
-    for folder, _, files in sorted(os.walk(log_dir)):
+    for folder, _, files in sorted(_files.walk(log_dir)):
         run = os.path.relpath(folder, log_dir)
         for name in sorted(files):
             path = os.path.join(folder, name)
@@ -213,7 +219,7 @@ def read_log_dir(log_dir):
             path = os.path.join(folder, name)
             if ".tfevents." not in name:
                 continue
-            if os.path.isfile(path):
+            if remote or os.path.isfile(path):  # a remote file system has no FIFOs
                 events.append(path)
             else:
                 report.warnings.append(UnreadableFile(path, _NOT_REGULAR))
@@ -262,6 +268,9 @@ class _NotRegular(Exception):
 
 def _read_regular_file(path):
     """The text of the regular file at `path`; raises `_NotRegular` for anything else."""
+    if _files.remote(path):  # a remote file system has no FIFOs
+        with _files.open_file(path, "rb") as f:
+            return f.read().decode("utf-8")
     # Non-blocking, so that opening a FIFO returns at once; then checked.
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with open(descriptor, "rb") as f:

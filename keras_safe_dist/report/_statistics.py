@@ -14,6 +14,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as _masked_crc32c
 from tensorboard.util import tensor_util
 
+from keras_safe_dist.core import _files
 from keras_safe_dist.update.statistics import LOG_NAMES
 from keras_safe_dist.update.statistics import PREFIX
 from keras_safe_dist.update.statistics import RUN as DASHBOARD_RUN
@@ -144,12 +145,13 @@ def run_statistics(paths):
 def _events(path):
     """The events of the event file `path`, each record's CRC-32Cs checked.
 
-    Read with `open()`, so that any name the file system holds is read
-    (TensorBoard's TensorFlow-free reader encodes the path as UTF-8, which a
-    folder named in another encoding is not). Raises `ValueError` at a
-    truncated or damaged record, after the events before it.
+    A local file is read with `open()`, so that any name the file system
+    holds is read (TensorBoard's TensorFlow-free reader encodes the path as
+    UTF-8, which a folder named in another encoding is not); a remote one
+    (`gs://`) with TensorFlow's `GFile`. Raises `ValueError` at a truncated
+    or damaged record, after the events before it.
     """
-    with open(path, "rb") as f:
+    with _files.open_file(path, "rb") as f:
         while True:
             offset = f.tell()
             header = f.read(12)

@@ -104,7 +104,7 @@ def _write_summaries(log_dir, step, who, texts=None, scalars=None):
 
 
 def _write_json(log_dir, filename, data):
-    os.makedirs(log_dir, exist_ok=True)
+    _files.makedirs(log_dir)
     return _json.write(os.path.join(log_dir, filename), data)
 
 
