@@ -104,7 +104,7 @@ def test_multi_worker_probe_is_skipped_with_a_reason_when_no_port_binds(monkeypa
     def refuse(count):
         raise OSError("Address family not supported")
 
-    monkeypatch.setattr("keras_safe_dist.scale_out.launch.free_ports", refuse)
+    monkeypatch.setattr("keras_safe_dist.scale_out._cluster.free_ports", refuse)
     stock, safe = multi_worker.run()
     reason = "skipped: cannot bind a port on 127.0.0.1 (Address family not supported)"
     assert stock == Side(None, reason) and safe == Side(None, reason)

@@ -13,6 +13,7 @@ import pytest
 
 from keras_safe_dist import cli
 from keras_safe_dist import is_chief
+from keras_safe_dist.scale_out import _cluster
 from keras_safe_dist.scale_out.launch import WorkerGroup
 from keras_safe_dist.scale_out.launch import free_ports
 from keras_safe_dist.scale_out.launch import tf_config
@@ -283,7 +284,7 @@ def test_a_worker_count_the_machine_cannot_hold_is_refused_before_binding(tmp_pa
     def no_binding(count):
         raise AssertionError("bound ports for a refused worker count")
 
-    monkeypatch.setattr(launch_module, "free_ports", no_binding)
+    monkeypatch.setattr(_cluster, "free_ports", no_binding)  # where WorkerGroup looks it up
     path = script(tmp_path, "pass\n")
     most, reason = launch_module.max_workers()
     start = time.perf_counter()
@@ -336,7 +337,7 @@ def test_a_port_taken_before_the_worker_binds_it_is_named_and_retried_once(tmp_p
         chosen.append(ports)
         return ports
 
-    monkeypatch.setattr(launch_module, "free_ports", racy_free_ports)
+    monkeypatch.setattr(_cluster, "free_ports", racy_free_ports)
     try:
         code = cli.main(["launch", "--workers", "2", "--timeout", "60", script(tmp_path, _BINDS_ITS_PORT)])
     finally:
@@ -389,7 +390,7 @@ def test_a_worker_that_fails_on_a_port_of_its_own_is_not_started_again(tmp_path,
 
     real = launch_module.free_ports
     chosen = []
-    monkeypatch.setattr(launch_module, "free_ports", lambda count: chosen.append(real(count)) or chosen[-1])
+    monkeypatch.setattr(_cluster, "free_ports", lambda count: chosen.append(real(count)) or chosen[-1])
     code = cli.main(["launch", "--workers", "2", "--timeout", "60", script(tmp_path, _OWN_SERVER_FAILS)])
     out, err = capsys.readouterr()
     assert len(chosen) == 1  # started once: port 8500 is not the launcher's
@@ -399,7 +400,7 @@ def test_a_worker_that_fails_on_a_port_of_its_own_is_not_started_again(tmp_path,
 
 
 def test_a_bind_failure_counts_only_on_the_launchers_port():
-    from keras_safe_dist.scale_out.launch import _bind_failure
+    from keras_safe_dist.scale_out._workers import _bind_failure
 
     assert _bind_failure("OSError: [Errno 98] Address already in use: 127.0.0.1:41234", 41234)
     assert not _bind_failure("OSError: [Errno 98] Address already in use: 127.0.0.1:8500", 41234)

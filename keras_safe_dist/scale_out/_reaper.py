@@ -1,6 +1,6 @@
 """Kills a launcher's worker process groups when the launcher dies, even by SIGKILL.
 
-`launch.WorkerGroup` runs this file as a script (`python -I _reaper.py`, in a
+`_workers.WorkerGroup` runs this file as a script (`python -I _reaper.py`, in a
 session of its own) with its standard input a pipe of which the launcher holds
 the only writing end. The launcher writes one line per event:
 
