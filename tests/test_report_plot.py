@@ -200,3 +200,18 @@ def test_per_update_runs_and_each_runs_onset_in_its_colour(tmp_path):
         " NaN onset (a): epoch 0, batch 2", " NaN onset (b): epoch 0, batch 1"
     ]
     assert figure.axes[-1].get_xlabel() == "update (the runs logged no epoch)"
+
+
+@needs_matplotlib
+def test_the_plot_goes_to_a_remote_path_and_a_missing_remote_folder_is_named(log_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = "ram://report_plot"
+    tf.io.gfile.makedirs(root)
+    plot_report(read_log_dir(log_dir), f"{root}/run.png")
+    with tf.io.gfile.GFile(f"{root}/run.png", "rb") as f:
+        (tmp_path / "copy.png").write_bytes(f.read())
+    assert png_size(tmp_path / "copy.png") == (800, 850)
+    assert tf.io.gfile.listdir(root) == ["run.png"]  # no temporary file left
+    with pytest.raises(FileNotFoundError, match=f"the folder of `path` does not exist: {root}/missing$"):
+        plot_report(read_log_dir(log_dir), f"{root}/missing/run.png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.png"]  # nothing written locally

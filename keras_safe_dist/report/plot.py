@@ -127,8 +127,9 @@ def plot_report(report, path, dpi=100):
     from matplotlib.ticker import MaxNLocator
 
     fmt = _format(path, FigureCanvasAgg(Figure()).get_supported_filetypes())
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
+    remote = _files.remote(path)
+    folder = path.rsplit("/", 1)[0] if remote else os.path.dirname(os.path.abspath(path))
+    if not _files.isdir(folder):
         raise FileNotFoundError(f"the folder of `path` does not exist: {folder}")
 
     names = [n for n in STATISTICS if any(_logged(run, n) for run in report.runs)]
