@@ -195,6 +195,11 @@ def set_keras_mask(tensor, mask):
     _keras_backend.set_keras_mask(tensor, mask)
 
 
+def flatten_metrics_in_order(model, logs):
+    """`logs` as the list `train_on_batch(..., return_dict=False)` returns (one value: the value)."""
+    return model._flatten_metrics_in_order(logs)
+
+
 def set_initial_epoch(model, epoch):
     """Makes the next `fit()` of `model` start at `epoch` (None: at its `initial_epoch`).
 

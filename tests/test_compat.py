@@ -72,6 +72,19 @@ def test_loss_tracker_is_the_logged_mean():
     assert model.metrics[0] is tracker
 
 
+def test_logs_are_flattened_as_train_on_batch_returns_them():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    x, y = np.ones((4, 2), "float32"), np.ones((4, 1), "float32")
+    logs = model.train_on_batch(x, y, return_dict=True)
+    # The compiled metrics in their order, then other keys sorted; one value alone.
+    assert _compat.flatten_metrics_in_order(model, {**logs, "b": 2.0, "a": 1.0}) == [
+        logs["loss"], logs["mae"], 1.0, 2.0
+    ]
+    assert _compat.flatten_metrics_in_order(model, {"loss": 0.5}) == 0.5
+
+
 def test_compute_loss_override_is_detected():
     class Custom(SafeDistributedModel):
         def compute_loss(self, *args, **kwargs):

@@ -572,6 +572,23 @@ def test_a_group_pending_from_train_on_batch_is_applied_when_compile_is_called_a
     assert _relative_error(model, _stock_fit(x, y, 8)) < 1e-5
 
 
+def test_a_pending_group_is_named_when_saved_and_dropped_when_weights_are_loaded(devices, tmp_path):
+    x, y, _ = regression_data(24)
+    model = _mlp(SafeDistributedModel, gradient_accumulation_steps=2)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    path = str(tmp_path / "model.weights.h5")
+    model.save_weights(path)  # nothing pending yet: no word
+    model.train_on_batch(x[:8], y[:8])  # half a group
+    with pytest.warns(UserWarning, match=r"save\(\): 1 micro-batch\(es\) of a gradient accumulation group of 2"):
+        model.save(str(tmp_path / "model.keras"))
+    with pytest.warns(UserWarning, match=r"load_weights\(\) dropped 1 micro-batch\(es\)"):
+        model.load_weights(path)
+    model.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    # The loaded weights are the initial ones: one update of the 16 samples.
+    assert _relative_error(model, _stock_fit(x[8:], y[8:], 16)) < 1e-5
+
+
 def _two_dense(model_class, **options):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((4,))

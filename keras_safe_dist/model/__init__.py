@@ -11,6 +11,7 @@ from keras_safe_dist.core import creation_site
 from keras_safe_dist.model import _arguments
 from keras_safe_dist.model import _callbacks
 from keras_safe_dist.model import _from_model
+from keras_safe_dist.model import _pending
 from keras_safe_dist.nan import rows as _nan_rows
 from keras_safe_dist.nan.link import DetectorLink
 from keras_safe_dist.scale_out import distributed
@@ -551,11 +552,40 @@ class SafeDistributedModel(Trainer, keras.Model, SafeModel):
 
         With `gradient_accumulation_steps=k` the weights change on every k-th
         call. No callback is involved, so the update statistics are returned
-        only with `log_update_stats=True`.
+        only with `log_update_stats=True`. On several TensorFlow replicas the
+        batch is split across them as `fit()` splits a batch (stock Keras
+        gives each replica all of it), and the returned metrics are read over
+        every replica's samples; `test_on_batch()` and `predict_on_batch()`
+        do the same.
         """
         self._check_has_optimizer("train_on_batch")
         self._set_requests(None)
         return super().train_on_batch(*args, **kwargs)
+
+    def save(self, *args, **kwargs):
+        """Same as `keras.Model.save`; warns when a pending accumulation group is left out.
+
+        The file holds the class, its options and the weights. Micro-batches
+        accumulated but not yet applied (from `train_on_batch()`, or a
+        `fit()` stopped mid-group) are not in it; a warning says so, once per
+        model.
+        """
+        _pending.warn_on_save(self, "save")
+        return super().save(*args, **kwargs)
+
+    def save_weights(self, *args, **kwargs):
+        """Same as `keras.Model.save_weights`; warns as `save()` does of a pending group."""
+        _pending.warn_on_save(self, "save_weights")
+        return super().save_weights(*args, **kwargs)
+
+    def load_weights(self, *args, **kwargs):
+        """Same as `keras.Model.load_weights`; a pending accumulation group is dropped first.
+
+        Its gradients were computed on the weights being replaced; a warning
+        says how many micro-batches were dropped.
+        """
+        _pending.drop_on_load(self, "load_weights")
+        return super().load_weights(*args, **kwargs)
 
     def _check_has_optimizer(self, where):
         # Stock Keras fails later with "'NoneType' object has no attribute 'built'".

@@ -210,6 +210,15 @@ class JAXUpdateEngine:
             self.watch.after_flush(skipped, pending)
         return True
 
+    def pending(self):
+        """Micro-batches of the group pending (0 without accumulation): one small read."""
+        return 0 if self.steps == 1 else int(self.totals.value[3])
+
+    def drop_pending(self):
+        """Forgets the pending group: the next micro-batch starts a new one (it overwrites the sums)."""
+        if self.steps > 1:
+            self.totals.assign(ops.zeros_like(self.totals.value))
+
     def logs(self, values=None):
         """The values this engine adds to the logs (from `values`, or the variables)."""
         stats = values[-1] if values is not None else self.stats.value

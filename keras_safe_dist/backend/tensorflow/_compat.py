@@ -20,6 +20,7 @@ from tensorflow.python.distribute import distribute_lib as _tf_distribute_lib
 from tensorflow.python.distribute import values as _tf_values
 
 from keras_safe_dist._compat import EpochEndOverride
+from keras_safe_dist.backend.tensorflow import _replica_shares
 
 
 def default_strategy():
@@ -154,10 +155,13 @@ class TrainerOverrides(EpochEndOverride):
             or self.run_eagerly
             or (strategy.num_replicas_in_sync == 1 and ends is None)
         ):
-            return super()._make_function(step_function)
-        return _multi_step_function(
-            strategy, step_function, self.steps_per_execution, ends
-        )
+            function = super()._make_function(step_function)
+        else:
+            function = _multi_step_function(
+                strategy, step_function, self.steps_per_execution, ends
+            )
+        # train_on_batch() and test_on_batch() give it one batch, whole: split it.
+        return _replica_shares.splitting(strategy, function)
 
 def _multi_step_function(strategy, step_function, steps, ends=None):
     """A train or test function running up to `steps` steps per call on several replicas.

@@ -129,6 +129,19 @@ class TensorFlowUpdateEngine:
         with self.strategy.scope():
             return bool(self.flush_function())
 
+    def pending(self):
+        """Micro-batches of the group pending (0 without accumulation): one small read."""
+        if self.steps == 1:
+            return 0
+        with self.strategy.scope():
+            return int(self.counters.read_value()[0])
+
+    def drop_pending(self):
+        """Forgets the pending group: the next micro-batch starts a new one (it overwrites the sums)."""
+        if self.steps > 1:
+            with self.strategy.scope():
+                self.counters.assign(self.counters * [0, 1, 1])
+
     def _flush(self):
         pending = self.counters[0] > 0
         tf.cond(pending, self._update_from_accumulators, _nothing)

@@ -19,6 +19,7 @@ from keras_safe_dist.backend.tensorflow import _accumulate
 from keras_safe_dist.backend.tensorflow import _compat as _tf_compat
 from keras_safe_dist.backend.tensorflow import _empty_shares
 from keras_safe_dist.backend.tensorflow import _per_worker
+from keras_safe_dist.backend.tensorflow import _replica_shares
 from keras_safe_dist.backend.tensorflow import _xla
 from keras_safe_dist.backend.tensorflow import nan_probe
 from keras_safe_dist.backend.tensorflow._update import TensorFlowUpdateEngine
@@ -104,9 +105,31 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         with _collectives_named(), _per_worker.epoch_ends_expected(args, kwargs):
             return super().predict(*args, **kwargs)
 
-    def train_on_batch(self, *args, **kwargs):
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         with _collectives_named():
-            return super().train_on_batch(*args, **kwargs)
+            logs = super().train_on_batch(x, y, sample_weight, class_weight, return_dict=True)
+        return self._batch_logs(logs, return_dict)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        logs = super().test_on_batch(x, y, sample_weight, return_dict=True)
+        return self._batch_logs(logs, return_dict)
+
+    def _batch_logs(self, logs, return_dict):
+        """A one-batch call's logs, its metrics over every replica's samples.
+
+        The step's logs average the replicas' own metric results: a metric of a
+        batch split 4 and 3 was the mean of two means, and a replica whose
+        share was empty halved the loss. The metrics, reset before the batch,
+        hold it whole: read across the replicas, as `fit()` reads an epoch's.
+        """
+        if self.distribute_strategy.num_replicas_in_sync > 1:
+            logs.update({name: _python(value) for name, value in self.get_metrics_result().items()})
+        return logs if return_dict else _compat.flatten_metrics_in_order(self, logs)
+
+    def predict_on_batch(self, x):
+        # Keras gives every replica the whole batch, and concatenates their
+        # outputs: each row came back once per replica.
+        return super().predict_on_batch(_replica_shares.split(self.distribute_strategy, x))
 
     def _check_fit_data(self, x, batch_size):
         self._check_placement("SafeDistributedModel.fit()")
@@ -335,6 +358,14 @@ class TensorFlowTrainer(_tf_compat.TrainerOverrides):
         if penalty is not None:
             value = value + penalty
         _compat.loss_tracker(self).update_state(value, sample_weight=weight)
+
+
+def _python(value):
+    """A float, as Keras returns a scalar log; other values as they are."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _check_sparse_split(replicas, x, batch_size):
