@@ -55,6 +55,15 @@ def sgd_mse():
     return dict(optimizer=keras.optimizers.SGD(0.1), loss="mse")
 
 
+def sgd_mse_reduced(reduction, **compile_kwargs):
+    """A maker of compile() arguments: SGD(0.01) and an MSE with `reduction`."""
+    return lambda: dict(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=keras.losses.MeanSquaredError(reduction=reduction),
+        **compile_kwargs,
+    )
+
+
 def simple():
     inputs = keras.Input((4,))
     return inputs, mlp(inputs)
@@ -192,14 +201,7 @@ def test_embedding_sparse_gradients(replicas):
 @pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
 def test_other_loss_reductions(replicas, reduction):
     x, y, w = regression_data(45)
-
-    def compile_kwargs():
-        return dict(
-            optimizer=keras.optimizers.SGD(0.01),
-            loss=keras.losses.MeanSquaredError(reduction=reduction),
-        )
-
-    reference, model = twins(replicas, simple, compile_kwargs, gradient_accumulation_steps=2)
+    reference, model = twins(replicas, simple, sgd_mse_reduced(reduction), gradient_accumulation_steps=2)
     assert_matches_big_batch(reference, model, x, y, 10, 2, sample_weight=w)
 
 
@@ -364,15 +366,7 @@ def test_each_on_batch_call_counts_every_sample_once(replicas, reduction):
     # update and samples_per_update were doubled, and predict_on_batch()
     # returned each row twice (14 rows for 7).
     x, y, weights = regression_data(7)
-
-    def compiled():
-        return dict(
-            optimizer=keras.optimizers.SGD(0.01),
-            loss=keras.losses.MeanSquaredError(reduction=reduction),
-            metrics=["mae"],
-        )
-
-    reference, model = twins(replicas, simple, compiled)
+    reference, model = twins(replicas, simple, sgd_mse_reduced(reduction, metrics=["mae"]))
     # [loss, mae]: each over the 7 samples, not a mean of the shares' values.
     assert model.test_on_batch(x, y, weights) == pytest.approx(reference.test_on_batch(x, y, weights), rel=1e-6)
     logs = model.train_on_batch(x, y, weights, return_dict=True)
