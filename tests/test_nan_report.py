@@ -80,3 +80,15 @@ def test_finding_and_paragraph_carry_the_kind_fix(kind):
     assert report["finding"]["fix"] == fix
     assert report["summary"].endswith(f"Fix: {fix}")
     assert report["finding"]["message"] == f"{nan_report.KINDS[kind][0]} at epoch 0, batch 3"
+
+
+@pytest.mark.parametrize("kind", ["loss", "gradients"])
+def test_a_safe_models_unreplayed_onset_says_how_to_have_it_replayed(kind):
+    report = dict(onset(kind, localized=False), plain_model=False)
+    fix = nan_report.fix_for(report)
+    assert fix == nan_report.UNREPLAYED_FIXES[kind]
+    assert "action='restore'" in fix and "use keras_safe_dist.SafeDistributedModel" not in fix
+    # Located, the kind's own fix; a plain model's, the plain fix.
+    assert nan_report.fix_for(dict(report, localized=True)) == nan_report.KINDS[kind][1]
+    if kind in nan_report.PLAIN_FIXES:
+        assert nan_report.fix_for(dict(report, plain_model=True)) == nan_report.PLAIN_FIXES[kind]

@@ -16,6 +16,7 @@ import keras_safe_dist
 from keras_safe_dist import SafeDistributedModel
 from keras_safe_dist import callbacks
 from keras_safe_dist import cli
+from keras_safe_dist.nan import onset_report
 from keras_safe_dist.report import read_log_dir
 from keras_safe_dist.update.statistics import LOG_NAMES
 
@@ -273,6 +274,45 @@ def test_nan_detector_restore_puts_back_the_weights_before_the_update_that_overf
     assert report["restored_to"] == "before this batch"
     for restored, before in zip(model.get_weights(), initial):
         np.testing.assert_array_equal(restored, before)
+
+
+def test_a_safe_models_fixes_are_its_own_not_a_plain_models(devices):
+    # The weights overflowed by one huge step: the fix is a lower learning rate,
+    # as on TensorFlow (it was the plain keras.Model's "use SafeDistributedModel").
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = x.sum(1, keepdims=True)
+
+    class Spike(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return ops.where(step == 3, 1e38, 0.01)
+
+    def two_dense(**options):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        return SafeDistributedModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(inputs)), **options)
+
+    model = two_dense()
+    model.compile(keras.optimizers.SGD(Spike()), "mse")
+    detector = callbacks.NaNOnsetDetector(action="stop")
+    fit(model, x, y, [detector], epochs=1)
+    report = detector.report
+    assert (report["batch"], report["kind"], report["localized"], report["plain_model"]) == (3, "weights", True, False)
+    assert report["finding"]["fix"] == (
+        "Lower the learning rate or clip gradients with global_clipnorm: the update "
+        "overflowed the weights."
+    )
+    # skip_nonfinite=False applies the update: the batch is not replayed, and
+    # the fix says how to have it replayed (it said to use SafeDistributedModel).
+    x, y, _ = regression_data(64)
+    x[21, 2] = np.nan
+    model = two_dense(skip_nonfinite=False)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    detector = callbacks.NaNOnsetDetector(action="stop")
+    fit(model, x, y, [detector], epochs=1)
+    report = detector.report
+    assert (report["batch"], report["kind"], report["localized"]) == (2, "loss", False)
+    assert report["finding"]["fix"] == onset_report.UNREPLAYED_FIXES["loss"]
+    assert "train with keras_safe_dist.SafeDistributedModel" not in report["summary"]
 
 
 def test_nan_detector_reads_the_loss_of_a_plain_keras_model(devices):

@@ -472,7 +472,9 @@ class NaNOnsetDetector(keras.callbacks.Callback):
             "history": history,
             "action": self.action,
             "model": type(model).__name__,
-            "localized": self._full,
+            # A SafeDistributedModel's report is located unless the replay says otherwise.
+            "localized": self._full or self._jax,
+            "plain_model": not (self._full or self._jax),
             "notes": [],
             "files": {},
         }

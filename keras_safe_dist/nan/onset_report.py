@@ -83,6 +83,24 @@ PLAIN_FIXES = {
     ),
 }
 
+# The fixes of a SafeDistributedModel's onset whose batch was not replayed
+# (skip_nonfinite=False applied the update), or whose replay did not
+# reproduce it: what a replay would have told is not assumed either.
+UNREPLAYED_FIXES = {
+    "loss": (
+        "Keep skip_nonfinite=True (the default) or use action='restore', so that the "
+        "detector replays the onset's batch and names the inputs, layer, loss or "
+        "gradients that turned non-finite, and apply the fix its report gives for that "
+        "kind."
+    ),
+    "gradients": (
+        "If the gradients grew over training, lower the learning rate or clip gradients "
+        "with global_clipnorm; otherwise keep skip_nonfinite=True (the default) or use "
+        "action='restore', so that the detector replays the onset's batch and names the "
+        "op, and apply the fix its report gives."
+    ),
+}
+
 # What an onset whose source was not located is (a plain keras.Model's, or
 # one whose batch was not replayed): the kind it falls back to says which
 # value was non-finite, not where it began.
@@ -136,16 +154,20 @@ def fix_for(report):
     """The fix the report gives: one that can repair its kind.
 
     Args:
-        report: the report, with its `kind` and whether the model was
-            `localized` (a `SafeDistributedModel`; a plain `keras.Model`'s
-            kinds come from the logged loss alone).
+        report: the report, with its `kind`, whether it was `localized`
+            (a plain `keras.Model`'s kinds come from the logged loss alone;
+            a `SafeDistributedModel`'s from the replay, unless its batch was
+            not replayed) and whether the model was a `plain_model`.
 
     Returns:
         A str of one or two sentences.
     """
     kind = report["kind"]
-    if not report.get("localized", True) and kind in PLAIN_FIXES:
-        return PLAIN_FIXES[kind]
+    if not report.get("localized", True):
+        if report.get("plain_model", True) and kind in PLAIN_FIXES:
+            return PLAIN_FIXES[kind]
+        if not report.get("plain_model", True) and kind in UNREPLAYED_FIXES:
+            return UNREPLAYED_FIXES[kind]
     return KINDS[kind][1]
 
 
