@@ -100,6 +100,29 @@ def test_dashboard_writes_the_history_values_to_tensorboard(tmp_path, devices):
     assert history.history["skipped_updates"] == [0.0] * 3
 
 
+@pytest.mark.parametrize("data", ["arrays", "generator with steps_per_epoch"])
+def test_dashboard_charts_an_epochs_partial_last_group_with_its_own_values(tmp_path, devices, data):
+    # JAX applies the partial group when the epoch ends: its point copied the
+    # update before it (grad_norm 3.65 and 24 samples for 1.80 and 12).
+    x, y, _ = regression_data(60)  # 8 micro-batches, groups of 3: updates of 24, 24, 12
+    model = mlp(steps=3)
+    if data == "arrays":
+        history = fit(model, x, y, [callbacks.Dashboard(str(tmp_path))], epochs=1)
+    else:
+        def batches():
+            for start in range(0, 60, 8):
+                yield x[start:start + 8], y[start:start + 8]
+
+        history = model.fit(
+            batches(), steps_per_epoch=8, epochs=1, verbose=0,
+            callbacks=[callbacks.Dashboard(str(tmp_path))],
+        )
+    written = scalars(str(tmp_path / "safe_distributed"), "safe_distributed/")
+    assert written["update/samples_per_update"] == [24.0, 24.0, 12.0]
+    assert written["update/grad_norm"][-1] == pytest.approx(history.history["grad_norm"][0], rel=1e-6)
+    assert written["update/grad_norm"][-1] != pytest.approx(written["update/grad_norm"][-2], rel=1e-3)
+
+
 # NaNOnsetDetector
 
 

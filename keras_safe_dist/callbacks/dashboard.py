@@ -274,11 +274,12 @@ class Dashboard(keras.callbacks.Callback):
     def _handle_batches(self, batches, logs):
         """The logs after the epoch's first `batches` batches (Keras's count)."""
         steps = self.params.get("steps") if self.params else None
-        last = bool(steps) and batches >= steps
-        if last:
+        if steps and batches >= steps:
             batches = steps
-        # The last batch of an epoch of known length applies its partial group.
-        updates = -(-batches // self._accumulation) if last else batches // self._accumulation
+        # Whole groups only: an epoch's partial last group is charted at the
+        # epoch's end, from the epoch's logs (JAX applies it only then; the
+        # last batch's logs hold the update before it).
+        updates = batches // self._accumulation
         self._batches = max(self._batches, batches)
         self._write_updates(updates, logs)
 
