@@ -208,12 +208,36 @@ def test_first_skipped_update_of_a_fit_warns_once(replicas, steps):
     samples = 8 * steps
     assert messages == [
         f"SafeDistributedModel skipped a non-finite update at epoch 0, {where}: the gradient or loss of its "
-        f"{samples} samples was NaN or infinite, so they did not change the weights. Further skips in this fit() "
+        f"{samples} samples was NaN or infinite (or the gradient's global norm passed float32's range, about "
+        "1.8e19), so they did not change the weights. Further skips in this fit() "
         "are counted without a warning (`skipped_updates` with `log_update_stats=True`). To find where the "
         "non-finite value began, add keras_safe_dist.callbacks.NaNOnsetDetector() to fit()'s callbacks."
     ]
     assert history["skipped_updates"] == [1.0, 2.0]
     assert np.isfinite(np.concatenate([w.ravel() for w in model.get_weights()])).all()
+
+
+def test_a_finite_gradient_whose_norm_passes_float32s_range_is_skipped_as_documented():
+    # Loss 1e30 and a gradient of -2e25 on a float32 kernel of two weights: the
+    # squared norm overflows. Stock applies the update; the safe model skips it.
+    x = np.full((8, 2), 1e10, "float32")
+    y = np.full((8, 1), 1e15, "float32")
+
+    def build(cls):
+        inputs = keras.Input((2,))
+        model = cls(inputs, keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")(inputs))
+        model.compile(keras.optimizers.SGD(1e-25), "mse")
+        return model
+
+    stock = build(keras.Model)
+    stock.fit(x, y, batch_size=8, verbose=0)
+    assert stock.get_weights()[0] == pytest.approx(np.full((2, 1), 2.0), rel=1e-5)  # 1e-25 x 2e25 applied
+    model = build(SafeDistributedModel)
+    model.log_update_stats = True
+    with pytest.warns(UserWarning, match="global norm passed float32's range"):
+        history = model.fit(x, y, batch_size=8, verbose=0).history
+    assert history["skipped_updates"] == [1.0] and history["grad_norm"] == [float("inf")]
+    np.testing.assert_array_equal(model.get_weights()[0], np.zeros((2, 1)))
 
 
 def test_healthy_fit_and_loss_scale_overflows_do_not_warn():

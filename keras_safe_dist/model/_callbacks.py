@@ -55,7 +55,8 @@ def skip_message(epoch, update, samples, steps):
     return (
         f"SafeDistributedModel skipped a non-finite update at epoch {epoch}, "
         f"{where}: the gradient or loss of its {samples} samples was NaN or "
-        "infinite, so they did not change the weights. Further skips in this "
+        "infinite (or the gradient's global norm passed float32's range, about "
+        "1.8e19), so they did not change the weights. Further skips in this "
         "fit() are counted without a warning (`skipped_updates` with "
         "`log_update_stats=True`). To find where the non-finite value began, "
         "add keras_safe_dist.callbacks.NaNOnsetDetector() to fit()'s callbacks."
