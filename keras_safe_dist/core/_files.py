@@ -165,9 +165,9 @@ def written_whole(path, mode="w"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:
-        if exists(tmp):
-            remove(tmp)
+    except BaseException:
+        remove(tmp)  # nothing if it is gone
+        raise
 
 
 def walk(path):

@@ -164,10 +164,9 @@ def fix_for(report):
     """
     kind = report["kind"]
     if not report.get("localized", True):
-        if report.get("plain_model", True) and kind in PLAIN_FIXES:
-            return PLAIN_FIXES[kind]
-        if not report.get("plain_model", True) and kind in UNREPLAYED_FIXES:
-            return UNREPLAYED_FIXES[kind]
+        fixes = PLAIN_FIXES if report.get("plain_model", True) else UNREPLAYED_FIXES
+        if kind in fixes:
+            return fixes[kind]
     return KINDS[kind][1]
 
 
