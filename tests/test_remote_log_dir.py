@@ -130,3 +130,14 @@ def test_a_missing_remote_log_dir_is_named_without_the_local_working_directory(r
         f.write("x")
     with pytest.raises(NotADirectoryError, match="is a file"):
         read_log_dir(f"{root}/file")
+
+
+def test_a_local_file_is_replaced_whole_or_left_as_it_was_too(tmp_path):
+    path = tmp_path / "report.json"
+    path.write_text("first")
+    with pytest.raises(RuntimeError, match="half written"):
+        with _files.written_whole(str(path)) as f:
+            f.write("sec")
+            raise RuntimeError("half written")
+    assert path.read_text() == "first"
+    assert os.listdir(tmp_path) == ["report.json"]  # the file beside it removed
