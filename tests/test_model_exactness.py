@@ -388,6 +388,16 @@ def test_each_on_batch_call_counts_every_sample_once(replicas, reduction):
     assert model.predict_on_batch(x[:1]).shape == (1, 1)
 
 
+def test_a_replicas_share_of_one_batch_is_its_rows_dense_sparse_or_ragged():
+    from keras_safe_dist.backend.tensorflow import _replica_shares
+
+    dense = np.arange(12.0, dtype="float32").reshape(4, 3)
+    share = _replica_shares._slice(tf.sparse.from_dense(dense), 1, 3)
+    np.testing.assert_array_equal(tf.sparse.to_dense(share).numpy(), dense[1:3])
+    ragged = tf.ragged.constant([[1.0], [2.0, 3.0], [], [4.0]])
+    assert _replica_shares._slice(ragged, 1, 3).to_list() == [[2.0, 3.0], []]
+
+
 def test_train_on_batch_groups_weigh_every_sample_once(replicas):
     # With accumulation 2, two train_on_batch() calls of 8 samples are one update of 16.
     x, y, _ = regression_data(16)
