@@ -189,12 +189,12 @@ def read_log_dir(log_dir):
     """
     log_dir = os.fspath(log_dir)
     remote = _files.remote(log_dir)
-    if not _files.isdir(log_dir) and _files.exists(log_dir):
-        raise NotADirectoryError(
-            f"{log_dir} is a file; report reads the log directory given to the "
-            f"callbacks (here perhaps {os.path.dirname(log_dir) or '.'})"
-        )
-    if not _files.isdir(log_dir):
+    if not _files.isdir(log_dir):  # one lookup: a round trip on a remote file system
+        if _files.exists(log_dir):
+            raise NotADirectoryError(
+                f"{log_dir} is a file; report reads the log directory given to the "
+                f"callbacks (here perhaps {os.path.dirname(log_dir) or '.'})"
+            )
         seen_from = "" if remote else f" (the working directory is {os.getcwd()})"
         raise FileNotFoundError(
             f"log directory not found: {log_dir!r}. Pass the log_dir given to the "
